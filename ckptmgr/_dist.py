@@ -1,0 +1,154 @@
+"""Rank, world, broadcast and agreement over an optional gloo group; no-ops without one.
+
+Every collective here is called by every rank of the group in the same order. ``agree`` and
+``on_coordinator`` turn a failure on any rank into the same exception on every rank, so a bad input
+on one rank never leaves the others waiting in a later collective.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ckptmgr.errors import CkptmgrError, ConfigError, SaveError
+
+__all__ = ["Comm", "make_group"]
+
+T = TypeVar("T")
+
+
+def collective_timeout() -> timedelta:
+    """Timeout of ckptmgr's own groups: ``CKPTMGR_COLLECTIVE_TIMEOUT_S`` seconds (default 1800)."""
+    raw = os.environ.get("CKPTMGR_COLLECTIVE_TIMEOUT_S", "1800")
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ConfigError(f"CKPTMGR_COLLECTIVE_TIMEOUT_S must be a number, got {raw!r}") from None
+    return timedelta(seconds=seconds)
+
+
+def make_group(process_group: Any) -> Any:
+    """A new gloo group over the ranks of ``process_group`` (or WORLD); None without torch.distributed.
+
+    Collective over the members of ``process_group``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        if process_group is not None:
+            raise ConfigError(
+                "process_group was given but torch.distributed is not initialized; call "
+                "torch.distributed.init_process_group first or pass process_group=None")
+        return None
+    ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
+    if dist.get_rank() not in ranks:
+        raise ConfigError(f"this rank ({dist.get_rank()}) is not a member of process_group")
+    if len(ranks) == 1 and dist.get_world_size() == 1:
+        return dist.new_group(ranks=ranks, backend="gloo", timeout=collective_timeout())
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=collective_timeout(),
+                          use_local_synchronization=True)
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it pickles, else a SaveError carrying its text (some backend errors don't)."""
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        return CkptmgrError(f"{type(exc).__name__}: {exc}")
+
+
+class Comm:
+    """Collectives over ckptmgr's own group (or none)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        if group is None:
+            self.rank, self.world_size = 0, 1
+        else:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+        self.is_coordinator = self.rank == 0
+
+    def broadcast(self, obj: Any) -> Any:
+        """The coordinator's ``obj`` on every rank."""
+        if self.group is None:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, by rank."""
+        if self.group is None:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any rank."""
+        return any(self.all_gather(bool(flag)))
+
+    def _raise_first(self, errors: list[tuple[int, BaseException] | None]) -> None:
+        failed = [e for e in errors if e is not None]
+        if not failed:
+            return
+        rank, exc = failed[0]
+        if rank == self.rank:
+            raise exc
+        if self.world_size > 1 and exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"[rank {rank}] {exc.args[0]}", *exc.args[1:])
+        if isinstance(exc, SaveError):
+            exc.failures.update({r: e for r, e in failed})
+        raise exc
+
+    def agree(self, fn: Callable[[], T], *, token: Any = None) -> T:
+        """Run ``fn`` on every rank; if it failed on any rank, raise that rank's error everywhere.
+
+        ``token``, when given, must be equal on every rank (e.g. the step being restored).
+        """
+        result: Any = None
+        err: tuple[int, BaseException] | None = None
+        try:
+            result = fn()
+        except Exception as e:
+            err = (self.rank, _portable(e))
+        if self.group is None:
+            if err is not None:
+                raise err[1]
+            return result  # type: ignore[no-any-return]
+        gathered = self.all_gather((err, token))
+        self._raise_first([g[0] for g in gathered])
+        tokens = [g[1] for g in gathered]
+        if any(t != tokens[0] for t in tokens):
+            raise ConfigError(
+                f"ranks disagree: {dict(enumerate(tokens))}; every rank must make the same call")
+        return result  # type: ignore[no-any-return]
+
+    def on_coordinator(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the coordinator only and return its result (or raise its error) everywhere."""
+        if self.group is None:
+            return fn()
+        payload: Any = None
+        if self.is_coordinator:
+            try:
+                payload = ("ok", fn())
+            except Exception as e:
+                payload = ("err", _portable(e))
+        payload = self.broadcast(payload)
+        if payload[0] == "err":
+            exc = payload[1]
+            if not self.is_coordinator and self.world_size > 1 and exc.args and isinstance(
+                    exc.args[0], str):
+                exc.args = (f"[rank 0] {exc.args[0]}", *exc.args[1:])
+            raise exc
+        return payload[1]  # type: ignore[no-any-return]

@@ -1,0 +1,112 @@
+"""Python values in a state dict as tagged JSON, so restoring never needs pickle.
+
+Plain JSON covers None, bool, int, str, finite floats, lists and str-keyed dicts. Tags keep the
+rest exact: ``{"__tuple__": [...]}``, ``{"__float__": "nan" | "inf" | "-inf"}``,
+``{"__bytes__": "<base64>"}``, ``{"__dict__": [[key, value], ...]}`` for dicts with non-str keys
+(or keys that look like tags) and ``{"__odict__": [[key, value], ...]}`` for OrderedDicts. Exact types
+only: a subclass (a namedtuple, an IntEnum) is not representable and needs pickle.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections import OrderedDict
+from typing import Any
+
+from ckptmgr.manifest import ManifestError, check_json_depth
+
+__all__ = ["NotRepresentableError", "decode_value", "encode_value", "is_representable"]
+
+_TAGS = frozenset({"__tuple__", "__float__", "__bytes__", "__dict__", "__odict__"})
+_MAX_DEPTH = 100
+
+
+class NotRepresentableError(TypeError):
+    """The value holds an object that tagged JSON cannot store exactly."""
+
+
+def _enc(obj: Any, depth: int) -> Any:
+    if depth > _MAX_DEPTH:
+        raise NotRepresentableError(f"value is nested deeper than {_MAX_DEPTH} levels")
+    t = type(obj)
+    if obj is None or t is bool or t is int or t is str:
+        return obj
+    if t is float:
+        if math.isfinite(obj):
+            return obj
+        return {"__float__": "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
+    if t is list:
+        return [_enc(v, depth + 1) for v in obj]
+    if t is tuple:
+        return {"__tuple__": [_enc(v, depth + 1) for v in obj]}
+    if t is bytes:
+        return {"__bytes__": base64.b64encode(obj).decode("ascii")}
+    if t is OrderedDict:
+        return {"__odict__": [[_enc(k, depth + 1), _enc(v, depth + 1)] for k, v in obj.items()]}
+    if t is dict:
+        if all(type(k) is str for k in obj) and not (len(obj) == 1 and next(iter(obj)) in _TAGS):
+            return {k: _enc(v, depth + 1) for k, v in obj.items()}
+        return {"__dict__": [[_enc(k, depth + 1), _enc(v, depth + 1)] for k, v in obj.items()]}
+    raise NotRepresentableError(f"{t.__module__}.{t.__qualname__} is not a plain Python value")
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        raise ValueError("a dict key decoded to a list")
+    return key
+
+
+def _dec(obj: Any) -> Any:
+    if isinstance(obj, list):
+        return [_dec(v) for v in obj]
+    if isinstance(obj, dict):
+        if len(obj) == 1:
+            (tag, payload), = obj.items()
+            if tag == "__tuple__":
+                return tuple(_dec(v) for v in payload)
+            if tag == "__float__":
+                if payload not in ("nan", "inf", "-inf"):
+                    raise ValueError(f"bad __float__ payload {payload!r}")
+                return float(payload)
+            if tag == "__bytes__":
+                return base64.b64decode(payload.encode("ascii"), validate=True)
+            if tag == "__dict__":
+                return {_hashable(_dec(k)): _dec(v) for k, v in payload}
+            if tag == "__odict__":
+                return OrderedDict((_hashable(_dec(k)), _dec(v)) for k, v in payload)
+        return {k: _dec(v) for k, v in obj.items()}
+    return obj
+
+
+def is_representable(obj: Any) -> bool:
+    """Whether ``obj`` round-trips exactly through :func:`encode_value`."""
+    try:
+        _enc(obj, 0)
+    except NotRepresentableError:
+        return False
+    return True
+
+
+def encode_value(obj: Any) -> bytes:
+    """``obj`` as tagged JSON bytes.
+
+    Raises:
+        NotRepresentableError: ``obj`` holds something other than plain Python values.
+    """
+    return json.dumps(_enc(obj, 0), separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def decode_value(data: bytes) -> Any:
+    """The value :func:`encode_value` encoded.
+
+    Raises:
+        ValueError: the bytes are not tagged JSON written by us.
+    """
+    try:
+        check_json_depth(data, _MAX_DEPTH + 2)
+        return _dec(json.loads(data.decode("utf-8")))
+    except (ManifestError, UnicodeDecodeError, json.JSONDecodeError, TypeError,
+            ValueError, RecursionError) as e:
+        raise ValueError(f"not a tagged JSON value: {e}") from e

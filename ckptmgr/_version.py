@@ -1,0 +1,3 @@
+"""The ckptmgr version (one place, read by pyproject-independent code)."""
+
+__version__ = "0.1.0"

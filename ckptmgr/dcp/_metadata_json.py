@@ -1,0 +1,157 @@
+"""DCP ``Metadata`` as JSON and back, so reading a checkpoint never runs pickle.
+
+The encoding holds what loading needs: per key, tensor dtype, global size and stored chunks, or a
+marker for an encoded Python value; and per stored item, where its bytes are (file, offset, length),
+their checksum and encoding. Decoding validates every field and every path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ckptmgr.layout import check_relpath
+from ckptmgr.manifest import ManifestError, check_json_depth
+
+__all__ = ["ENCODINGS", "ItemLocation", "decode_metadata", "dtype_name", "encode_metadata"]
+
+ENCODINGS = ("raw", "json", "pickle")
+FORMAT = "ckptmgr-dcp-metadata"
+VERSION = 1
+MAX_METADATA_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ItemLocation:
+    """Where one stored item's bytes are, inside the step directory."""
+
+    file: str
+    offset: int
+    length: int
+    checksum: str
+    enc: str  # "raw" tensor bytes, "json" tagged JSON value, "pickle" torch.save bytes
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: Any) -> torch.dtype:
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ManifestError(f"bad dtype {name!r}")
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ManifestError(f"unknown dtype {name!r}")
+    return dt
+
+
+def _ints(v: Any, what: str) -> list[int]:
+    if not isinstance(v, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise ManifestError(f"{what} must be a list of ints >= 0, got {v!r}")
+    return v
+
+
+def encode_metadata(md: Metadata) -> bytes:
+    """``md`` (with ``storage_data`` mapping MetadataIndex -> ItemLocation) as JSON bytes."""
+    tensors: dict[str, Any] = {}
+    values: list[str] = []
+    for fqn, sm in md.state_dict_metadata.items():
+        if isinstance(sm, TensorStorageMetadata):
+            tensors[fqn] = {
+                "dtype": dtype_name(sm.properties.dtype),
+                "size": list(sm.size),
+                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)}
+                           for c in sm.chunks],
+            }
+        else:
+            values.append(fqn)
+    storage = []
+    for idx, loc in (md.storage_data or {}).items():
+        storage.append({
+            "fqn": idx.fqn, "offset": None if idx.offset is None else list(idx.offset),
+            "file": loc.file, "pos": loc.offset, "length": loc.length,
+            "checksum": loc.checksum, "enc": loc.enc,
+        })
+    doc = {"format": FORMAT, "version": VERSION, "dcp_version": md.version,
+           "tensors": tensors, "values": values, "storage": storage}
+    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+def decode_metadata(data: bytes) -> Metadata:
+    """Rebuild DCP ``Metadata`` from :func:`encode_metadata` bytes.
+
+    Raises:
+        ManifestError: the bytes are not valid metadata (bad JSON, field, dtype or path).
+    """
+    if len(data) > MAX_METADATA_BYTES:
+        raise ManifestError(f"metadata is {len(data)} bytes, over the limit")
+    check_json_depth(data, 16)
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"metadata is not valid JSON: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ManifestError("not ckptmgr DCP metadata")
+    if doc.get("version") != VERSION:
+        raise ManifestError(f"metadata version {doc.get('version')!r} is not supported")
+    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    tensors = doc.get("tensors")
+    values = doc.get("values")
+    storage = doc.get("storage")
+    if not isinstance(tensors, dict) or not isinstance(values, list) or not isinstance(
+            storage, list):
+        raise ManifestError("metadata lacks tensors, values or storage")
+    for fqn, t in tensors.items():
+        if not isinstance(t, dict) or not isinstance(t.get("chunks"), list):
+            raise ManifestError(f"bad tensor entry for {fqn!r}")
+        size = _ints(t.get("size"), f"{fqn}.size")
+        chunks = []
+        for c in t["chunks"]:
+            if not isinstance(c, dict):
+                raise ManifestError(f"bad chunk for {fqn!r}")
+            offs = _ints(c.get("offsets"), f"{fqn} chunk offsets")
+            sizes = _ints(c.get("sizes"), f"{fqn} chunk sizes")
+            if len(offs) != len(size) or len(sizes) != len(size) or any(
+                    o + s > g for o, s, g in zip(offs, sizes, size)):
+                raise ManifestError(f"chunk of {fqn!r} lies outside the tensor")
+            chunks.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
+        sdm[fqn] = TensorStorageMetadata(
+            TensorProperties(dtype=_dtype(t.get("dtype"))), torch.Size(size), chunks)
+    for fqn in values:
+        if not isinstance(fqn, str):
+            raise ManifestError(f"bad value key {fqn!r}")
+        sdm[fqn] = BytesStorageMetadata()
+    storage_data: dict[MetadataIndex, ItemLocation] = {}
+    for s in storage:
+        if not isinstance(s, dict) or not isinstance(s.get("fqn"), str):
+            raise ManifestError("bad storage entry")
+        fqn = s["fqn"]
+        if fqn not in sdm:
+            raise ManifestError(f"storage entry for unknown key {fqn!r}")
+        off = s.get("offset")
+        idx = MetadataIndex(fqn, None if off is None else _ints(off, f"{fqn} offset"))
+        try:
+            file = check_relpath(s.get("file"))  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ManifestError(f"storage path of {fqn!r} escapes the step directory: {e}") from e
+        pos, length = s.get("pos"), s.get("length")
+        _ints([pos, length], f"{fqn} position")
+        if s.get("enc") not in ENCODINGS or not isinstance(s.get("checksum"), str):
+            raise ManifestError(f"bad encoding or checksum for {fqn!r}")
+        storage_data[idx] = ItemLocation(file, pos, length, s["checksum"], s["enc"])
+    dcp_version = doc.get("dcp_version")
+    return Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage_data,
+                    version=dcp_version if isinstance(dcp_version, str) else None)

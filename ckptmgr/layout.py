@@ -1,0 +1,104 @@
+"""Names and paths inside a checkpoint root (pure: no torch, no fsspec).
+
+Layout::
+
+    <root>/<step>/                       one directory (prefix) per step, canonical decimal name
+    <root>/<step>/data-<attempt>-r<rank>.bin    raw tensor bytes and encoded values of one rank
+    <root>/<step>/metadata-<attempt>.json      DCP metadata encoded as JSON by our writer
+    <root>/<step>/commit.json            the manifest; written last; its presence is the commit
+    <root>/.tmp-<step>-<attempt>/        where a new step is written on storages that can rename
+
+``attempt`` is a fresh random token per save attempt, so a retried save or an overwrite never
+touches the files that a committed manifest points to.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+__all__ = [
+    "MANIFEST_NAME",
+    "STAGING_PREFIX",
+    "check_relpath",
+    "data_file_name",
+    "is_canonical_step_name",
+    "join",
+    "metadata_file_name",
+    "new_attempt_id",
+    "parse_staging_name",
+    "parse_step_name",
+    "staging_dir_name",
+    "step_dir_name",
+]
+
+MANIFEST_NAME = "commit.json"
+STAGING_PREFIX = ".tmp-"
+
+_STEP_RE = re.compile(r"(?:0|[1-9][0-9]{0,18})")
+_ATTEMPT_RE = re.compile(r"[0-9a-f]{12}")
+_STAGING_RE = re.compile(r"\.tmp-(0|[1-9][0-9]{0,18})-([0-9a-f]{12})")
+
+
+def new_attempt_id() -> str:
+    """A fresh 12-hex-digit token naming one save attempt."""
+    return secrets.token_hex(6)
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of ``step``: its canonical decimal form."""
+    return str(step)
+
+
+def is_canonical_step_name(name: str) -> bool:
+    """Whether ``name`` is a canonical decimal step name (no sign, no leading zeros)."""
+    return _STEP_RE.fullmatch(name) is not None
+
+
+def parse_step_name(name: str) -> int | None:
+    """The step a directory name stands for, or None if it is not a canonical step name."""
+    return int(name) if is_canonical_step_name(name) else None
+
+
+def staging_dir_name(step: int, attempt: str) -> str:
+    """The temporary directory a new step is written into before it is renamed into place."""
+    if _ATTEMPT_RE.fullmatch(attempt) is None:
+        raise ValueError(f"attempt id must be 12 lowercase hex digits, got {attempt!r}")
+    return f"{STAGING_PREFIX}{step}-{attempt}"
+
+
+def parse_staging_name(name: str) -> tuple[int, str] | None:
+    """``(step, attempt)`` for a staging directory name, else None."""
+    m = _STAGING_RE.fullmatch(name)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def data_file_name(attempt: str, rank: int, index: int = 0) -> str:
+    """The name of data file ``index`` written by ``rank`` in ``attempt``."""
+    return f"data-{attempt}-r{rank:05d}-{index:03d}.bin"
+
+
+def metadata_file_name(attempt: str) -> str:
+    """The name of the JSON-encoded DCP metadata file of ``attempt``."""
+    return f"metadata-{attempt}.json"
+
+
+def check_relpath(path: str) -> str:
+    """Return ``path`` if it is a plain relative path that stays inside its directory.
+
+    Raises:
+        ValueError: for an empty, absolute, backslashed or ``..``-containing path.
+    """
+    if not isinstance(path, str) or not path:
+        raise ValueError(f"path must be a non-empty string, got {path!r}")
+    if path.startswith("/") or "\\" in path or "\x00" in path or ":" in path:
+        raise ValueError(f"path must be relative and plain, got {path!r}")
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"path must not contain empty, '.' or '..' parts, got {path!r}")
+    return path
+
+
+def join(*parts: str) -> str:
+    """Join relative path parts with '/', skipping empty ones (never os.path: URLs need '/')."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))

@@ -1,0 +1,236 @@
+"""The commit manifest (``<step>/commit.json``): its fields, encoding and validation (pure).
+
+The manifest is written last by the coordinator; a step is committed exactly when it exists. It is
+parsed defensively: size and nesting are bounded before JSON parsing allocates anything large, every
+field is type-checked, and every path it names must stay inside the step directory.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from ckptmgr.layout import check_relpath
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MAX_MANIFEST_BYTES",
+    "FileEntry",
+    "Manifest",
+    "ManifestError",
+    "check_json_depth",
+    "decode_manifest",
+    "encode_manifest",
+    "utc_now_iso",
+]
+
+FORMAT_NAME = "ckptmgr"
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+MAX_JSON_DEPTH = 64
+_CHECKSUM_RE = re.compile(r"xxh3_64:[0-9a-f]{16}")
+
+
+class ManifestError(ValueError):
+    """The manifest bytes are not a valid ckptmgr manifest (the caller wraps it with the step)."""
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a step: path relative to the step directory, size in bytes, checksum."""
+
+    path: str
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything the commit of one step records."""
+
+    step: int
+    time: str
+    attempt: str
+    world_size: int
+    metadata_file: str
+    files: tuple[FileEntry, ...]
+    bytes_per_rank: Mapping[int, int]
+    versions: Mapping[str, str]
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    mesh: Any = None
+    byteorder: str = "little"
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all files of the step, metadata included."""
+        return sum(f.size for f in self.files)
+
+    @property
+    def unix_time(self) -> float:
+        """The commit time as seconds since the epoch."""
+        return datetime.fromisoformat(self.time.replace("Z", "+00:00")).timestamp()
+
+    def file(self, path: str) -> FileEntry:
+        """The entry for ``path``; KeyError if the manifest does not list it."""
+        for f in self.files:
+            if f.path == path:
+                return f
+        raise KeyError(path)
+
+
+def utc_now_iso() -> str:
+    """Now, UTC, ISO 8601 with microseconds and a 'Z' suffix."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    """The manifest as UTF-8 JSON bytes."""
+    doc = {
+        "format": FORMAT_NAME,
+        "format_version": m.format_version,
+        "step": m.step,
+        "time": m.time,
+        "attempt": m.attempt,
+        "world_size": m.world_size,
+        "mesh": m.mesh,
+        "byteorder": m.byteorder,
+        "versions": dict(m.versions),
+        "metrics": dict(m.metrics),
+        "metadata": dict(m.metadata),
+        "metadata_file": m.metadata_file,
+        "files": [{"path": f.path, "size": f.size, "checksum": f.checksum} for f in m.files],
+        "bytes_per_rank": {str(r): b for r, b in sorted(m.bytes_per_rank.items())},
+        "total_bytes": m.total_bytes,
+    }
+    return json.dumps(doc, indent=1, sort_keys=False, allow_nan=True).encode("utf-8")
+
+
+def check_json_depth(data: bytes, limit: int = MAX_JSON_DEPTH) -> None:
+    """Reject JSON nested deeper than ``limit`` before parsing it (the parser recurses)."""
+    depth = 0
+    in_str = False
+    escape = False
+    for byte in data:
+        if in_str:
+            if escape:
+                escape = False
+            elif byte == 0x5C:  # backslash
+                escape = True
+            elif byte == 0x22:  # quote
+                in_str = False
+        elif byte == 0x22:
+            in_str = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                raise ManifestError(f"JSON is nested deeper than {limit} levels")
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+
+
+def _req(doc: Mapping[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
+    if key not in doc:
+        raise ManifestError(f"manifest lacks field {key!r}")
+    value = doc[key]
+    if isinstance(value, bool) and typ is not bool and (typ is int or typ is float):
+        raise ManifestError(f"manifest field {key!r} must be {typ}, got {value!r}")
+    if not isinstance(value, typ):
+        raise ManifestError(f"manifest field {key!r} has the wrong type: {type(value).__name__}")
+    return value
+
+
+def _nonneg_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ManifestError(f"{what} must be an int >= 0, got {value!r}")
+    return value
+
+
+def decode_manifest(data: bytes, *, expected_step: int | None = None) -> Manifest:
+    """Parse and validate manifest bytes.
+
+    Raises:
+        ManifestError: oversized, too deep, not JSON, wrong format or version, a bad field, a path
+            that escapes the step directory, or a step that differs from ``expected_step``.
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+    check_json_depth(data)
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ManifestError(f"manifest is not valid JSON: {e}") from e
+    if not isinstance(doc, dict):
+        raise ManifestError("manifest is not a JSON object")
+    if doc.get("format") != FORMAT_NAME:
+        raise ManifestError(f"not a ckptmgr manifest (format={doc.get('format')!r})")
+    version = _req(doc, "format_version", int)
+    if version != FORMAT_VERSION:
+        raise ManifestError(
+            f"manifest format_version {version} is not supported by this ckptmgr "
+            f"(supports {FORMAT_VERSION}); upgrade ckptmgr")
+    step = _nonneg_int(_req(doc, "step", int), "step")
+    if expected_step is not None and step != expected_step:
+        raise ManifestError(f"manifest names step {step} but lives in directory {expected_step}")
+    time = _req(doc, "time", str)
+    try:
+        datetime.fromisoformat(time.replace("Z", "+00:00"))
+    except ValueError as e:
+        raise ManifestError(f"manifest time {time!r} is not ISO 8601") from e
+    attempt = _req(doc, "attempt", str)
+    world_size = _nonneg_int(_req(doc, "world_size", int), "world_size")
+    byteorder = doc.get("byteorder", "little")
+    if byteorder not in ("little", "big"):
+        raise ManifestError(f"byteorder must be 'little' or 'big', got {byteorder!r}")
+    try:
+        metadata_file = check_relpath(_req(doc, "metadata_file", str))
+    except ValueError as e:
+        raise ManifestError(f"metadata_file escapes the step directory: {e}") from e
+    files: list[FileEntry] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(_req(doc, "files", list)):
+        if not isinstance(entry, dict):
+            raise ManifestError(f"files[{i}] is not an object")
+        try:
+            path = check_relpath(_req(entry, "path", str))
+        except ValueError as e:
+            raise ManifestError(f"files[{i}] escapes the step directory: {e}") from e
+        if path in seen:
+            raise ManifestError(f"files[{i}] lists {path!r} twice")
+        seen.add(path)
+        size = _nonneg_int(_req(entry, "size", int), f"files[{i}].size")
+        checksum = _req(entry, "checksum", str)
+        if not _CHECKSUM_RE.fullmatch(checksum):
+            raise ManifestError(f"files[{i}].checksum {checksum!r} is not 'xxh3_64:<16 hex>'")
+        files.append(FileEntry(path, size, checksum))
+    if metadata_file not in seen:
+        raise ManifestError(f"metadata_file {metadata_file!r} is not listed in files")
+    bpr_raw = _req(doc, "bytes_per_rank", dict)
+    bytes_per_rank: dict[int, int] = {}
+    for k, v in bpr_raw.items():
+        if not (isinstance(k, str) and k.isdigit()):
+            raise ManifestError(f"bytes_per_rank key {k!r} is not a rank")
+        bytes_per_rank[int(k)] = _nonneg_int(v, f"bytes_per_rank[{k}]")
+    versions = _req(doc, "versions", dict)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in versions.items()):
+        raise ManifestError("versions must map names to version strings")
+    metrics = _req(doc, "metrics", dict)
+    for k, v in metrics.items():
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ManifestError(f"metrics[{k!r}] must be a number, got {v!r}")
+    metadata = _req(doc, "metadata", dict)
+    total = doc.get("total_bytes")
+    if total is not None and total != sum(f.size for f in files):
+        raise ManifestError(f"total_bytes {total!r} does not match the sum of file sizes")
+    return Manifest(
+        step=step, time=time, attempt=attempt, world_size=world_size,
+        metadata_file=metadata_file, files=tuple(files), bytes_per_rank=bytes_per_rank,
+        versions=dict(versions), metrics={k: float(v) for k, v in metrics.items()},
+        metadata=metadata, mesh=doc.get("mesh"), byteorder=byteorder, format_version=version,
+    )

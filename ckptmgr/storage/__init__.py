@@ -1,0 +1,100 @@
+"""Storage backends: the ``Storage`` protocol, local disk, and fsspec for every other URL.
+
+This package is the only place that imports fsspec. Backends are resolved lazily by URL scheme
+through fsspec's registry; a missing one becomes :class:`BackendNotInstalledError` with the pip
+extra to install.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+
+from ckptmgr.errors import BackendNotInstalledError, ConfigError, StorageError
+from ckptmgr.storage.base import RootEntry, Storage, StorageWriter, is_not_found, redact_url
+from ckptmgr.storage.fsspec_storage import FsspecStorage
+from ckptmgr.storage.local import LocalStorage
+
+__all__ = [
+    "FsspecStorage",
+    "LocalStorage",
+    "RootEntry",
+    "Storage",
+    "StorageWriter",
+    "is_not_found",
+    "open_storage",
+    "redact_url",
+    "split_scheme",
+]
+
+_EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}
+
+
+def split_scheme(url: str) -> tuple[str | None, str]:
+    """``(scheme, rest)``; scheme None for a plain path."""
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        return scheme.lower(), rest
+    return None, url
+
+
+def open_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
+    """The Storage for ``url``: local paths and ``file://`` on POSIX calls, the rest via fsspec.
+
+    Performs no writes. Raises:
+        ConfigError: empty URL, unknown scheme, or a root that is an existing file.
+        BackendNotInstalledError: the scheme is known but its package is not installed.
+        StorageError: the backend could not be set up (bad credentials format, ...).
+    """
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"path must be a non-empty string (a local path or URL), got {url!r}")
+    shown = redact_url(url)
+    scheme, rest = split_scheme(url)
+    opts = dict(storage_options or {})
+    if scheme in (None, "file", "local"):
+        if opts:
+            raise ConfigError(
+                f"storage_options {sorted(opts)} are not used by local paths; remove them")
+        if scheme is not None and rest.startswith("localhost/"):
+            rest = rest[len("localhost"):]
+        if not rest:
+            raise ConfigError(f"path {shown!r} names no directory")
+        storage = LocalStorage(rest, display_url=shown)
+        if os.path.exists(storage.root) and not os.path.isdir(storage.root):
+            raise ConfigError(
+                f"path {shown!r} is an existing file; a checkpoint root must be a directory")
+        return storage
+    if scheme not in fsspec.available_protocols():
+        raise ConfigError(
+            f"unknown URL scheme {scheme!r} in {shown!r}; use a local path, file://, memory://, "
+            "gs://, s3:// or another fsspec protocol")
+    try:
+        fsspec.get_filesystem_class(scheme)
+    except ImportError as e:
+        extra = _EXTRAS.get(scheme)
+        hint = f"pip install 'ckptmgr[{extra}]'" if extra else f"install the package: {e}"
+        raise BackendNotInstalledError(
+            f"no fsspec backend installed for {scheme}:// ({shown}); {hint}") from e
+    try:
+        fs, root = fsspec.core.url_to_fs(url, **opts)
+    except ImportError as e:
+        extra = _EXTRAS.get(scheme)
+        hint = f"pip install 'ckptmgr[{extra}]'" if extra else str(e)
+        raise BackendNotInstalledError(
+            f"no fsspec backend installed for {scheme}:// ({shown}); {hint}") from e
+    except Exception as e:
+        raise StorageError(f"could not set up storage for {shown}: {type(e).__name__}") from e
+    storage_fs = FsspecStorage(fs, root, display_url=shown)
+    try:
+        if fs.isfile(root):
+            raise ConfigError(
+                f"path {shown!r} is an existing file; a checkpoint root must be a directory")
+    except ConfigError:
+        raise
+    except Exception:
+        # The root may not be listable yet (e.g. missing bucket): the first save reports it.
+        pass
+    return storage_fs

@@ -1,0 +1,111 @@
+"""The ``Storage`` protocol: the narrow interface every checkpoint byte goes through.
+
+Paths are ``str`` relative to the storage root, '/'-separated (``pathlib`` would mangle ``gs://``).
+Every method raises :class:`ckptmgr.errors.StorageError` naming the object, with the backend's
+exception as ``__cause__``; nothing else escapes.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from ckptmgr.errors import StorageError
+
+__all__ = ["RootEntry", "Storage", "StorageWriter", "is_not_found", "redact_url"]
+
+_USERINFO_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")
+_QUERY_SECRET_RE = re.compile(r"([?&][^=&#]*(?:key|secret|token|password|sig|signature|credential)"
+                              r"[^=&#]*=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str) -> str:
+    """``url`` without a ``user:pass@`` part or secret-looking query values."""
+    url = _USERINFO_RE.sub(r"\1***@", url)
+    return _QUERY_SECRET_RE.sub(r"\1***", url)
+
+
+def is_not_found(err: BaseException) -> bool:
+    """Whether a StorageError (or its cause) says the object does not exist."""
+    cause = err.__cause__ if isinstance(err, StorageError) else err
+    return isinstance(cause, FileNotFoundError) or isinstance(err, FileNotFoundError)
+
+
+@dataclass(frozen=True)
+class RootEntry:
+    """One top-level entry of a root: a directory (prefix) name and whether it holds the marker."""
+
+    name: str
+    is_dir: bool
+    is_symlink: bool
+    has_marker: bool
+
+
+class StorageWriter(Protocol):
+    """A file being written: ``write`` chunks, then ``commit`` (durable) or ``abort`` (removed)."""
+
+    def write(self, data: memoryview | bytes) -> None:
+        """Append ``data``."""
+
+    def commit(self) -> None:
+        """Make the file durable (fsync where the backend has it) and close it."""
+
+    def abort(self) -> None:
+        """Close and remove the partial file; never raises."""
+
+
+@runtime_checkable
+class Storage(Protocol):
+    """A checkpoint root on some backend."""
+
+    url: str
+    """The root URL with credentials redacted: safe for logs and messages."""
+    supports_rename: bool
+    """True when directories can be renamed atomically (POSIX); object stores have no rename."""
+
+    def scan_root(self, marker: str) -> list[RootEntry]:
+        """Top-level entries of the root, with whether ``<entry>/<marker>`` exists.
+
+        Costs O(1) list calls on object stores; never follows symlinks. An absent root is empty.
+        """
+
+    def list_files(self, path: str) -> dict[str, int]:
+        """Files directly under directory ``path``: name -> size. Absent directory -> {}."""
+
+    def exists(self, path: str) -> bool:
+        """Whether a file or directory exists at ``path``."""
+
+    def size(self, path: str) -> int:
+        """The size in bytes of file ``path``."""
+
+    def read_bytes(self, path: str, start: int = 0, length: int | None = None) -> bytes:
+        """Bytes ``[start, start+length)`` of ``path`` (to the end when ``length`` is None)."""
+
+    def read_into(self, path: str, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` exactly with the bytes of ``path`` starting at ``offset``."""
+
+    def open_writer(self, path: str) -> StorageWriter:
+        """A new file at ``path`` (replacing any), written by chunks."""
+
+    def write_bytes(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Write a whole small file atomically (readers see all of it or none).
+
+        Args:
+            exclusive: fail with StorageError (cause FileExistsError) if ``path`` exists.
+        """
+
+    def makedirs(self, path: str) -> None:
+        """Create directory ``path`` and its parents (no-op on object stores)."""
+
+    def rename(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst`` atomically; only when ``supports_rename``."""
+
+    def fsync_dir(self, path: str) -> None:
+        """Make directory entries under ``path`` durable (no-op where meaningless)."""
+
+    def remove(self, path: str, *, recursive: bool = False) -> None:
+        """Remove a file, or a directory tree with ``recursive``; absent is not an error."""
+
+    def is_symlink(self, path: str) -> bool:
+        """Whether ``path`` is a symbolic link (always False on object stores)."""

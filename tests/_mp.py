@@ -1,0 +1,67 @@
+"""Run a function on N real processes joined by a gloo process group (CPU).
+
+The parent owns a ``TCPStore`` on an OS-chosen port (race-free, RECIPES.md); children connect to it,
+so no port is guessed and no init file can go stale. Every group gets a short timeout.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
+           q: Any, timeout_s: float) -> None:
+    os.environ.setdefault("CKPTMGR_COLLECTIVE_TIMEOUT_S", str(timeout_s))
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                              timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            result = fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        q.put((rank, "ok", result))
+    except BaseException as e:  # report everything, including SystemExit
+        q.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 60.0) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` spawned processes; their results by rank.
+
+    Raises:
+        AssertionError: a rank failed (with its traceback) or the run exceeded ``timeout_s``.
+    """
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, store.port, args, q, timeout_s / 2))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world):
+            rank, status, payload = q.get(timeout=timeout_s)
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank}: {payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        del store
+    assert not errors, "\n".join(errors)
+    return [results[r] for r in range(world)]

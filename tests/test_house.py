@@ -1,0 +1,105 @@
+"""House checks: the pinned public surface and the one-way layering of DESIGN.md section 3."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ckptmgr
+import ckptmgr.errors as errors
+
+PKG = Path(ckptmgr.__file__).resolve().parent
+
+PUBLIC = [
+    "AsyncSaveError", "BackendNotInstalledError", "CheckpointExistsError", "CheckpointManager",
+    "CheckpointNotFoundError", "CkptmgrError", "ConfigError", "CorruptCheckpointError",
+    "FileEntry", "IncompleteCheckpointError", "ManagerConfig", "RestoreError", "SaveError",
+    "SaveStats", "StateMismatchError", "StepInfo", "StorageError", "UnsafeCheckpointError",
+    "__version__", "prime_optimizer",
+]
+
+
+def test_public_all_is_pinned_and_sorted() -> None:
+    assert ckptmgr.__all__ == sorted(ckptmgr.__all__)
+    assert ckptmgr.__all__ == PUBLIC
+    for name in PUBLIC:
+        assert hasattr(ckptmgr, name), name
+
+
+def test_error_tree() -> None:
+    e = errors
+    expected = {
+        e.ConfigError: (e.CkptmgrError, ValueError),
+        e.BackendNotInstalledError: (e.CkptmgrError, ImportError),
+        e.StorageError: (e.CkptmgrError, OSError),
+        e.CheckpointNotFoundError: (e.CkptmgrError, LookupError),
+        e.IncompleteCheckpointError: (e.CheckpointNotFoundError,),
+        e.CheckpointExistsError: (e.CkptmgrError, FileExistsError),
+        e.SaveError: (e.CkptmgrError, RuntimeError),
+        e.AsyncSaveError: (e.SaveError,),
+        e.RestoreError: (e.CkptmgrError, RuntimeError),
+        e.StateMismatchError: (e.RestoreError, ValueError),
+        e.CorruptCheckpointError: (e.RestoreError,),
+        e.UnsafeCheckpointError: (e.RestoreError,),
+    }
+    for cls, bases in expected.items():
+        for base in bases:
+            assert issubclass(cls, base), (cls, base)
+        assert cls.__name__ in (errors.__doc__ or ""), f"{cls.__name__} missing from the drawn tree"
+    assert issubclass(e.CkptmgrError, Exception)
+    assert sorted(errors.__all__) == sorted(c.__name__ for c in [*expected, e.CkptmgrError])
+    err = e.SaveError("x", step=3, failures={1: ValueError("y")})
+    assert err.step == 3 and isinstance(err.failures[1], ValueError)
+
+
+# Lower numbers are lower layers; a module may import only its own layer or lower ones.
+LAYERS = {
+    "errors": 0, "_version": 0,
+    "layout": 1, "manifest": 1, "policy": 1, "config": 1, "_values": 1, "info": 1,
+    "storage": 2,
+    "dcp": 3, "optim": 3,
+    "_dist": 4,
+    "_async": 5, "preemption": 5,
+    "manager": 6,
+    "cli": 7, "__init__": 8, "__main__": 8,
+}
+PURE = {"errors", "_version", "layout", "manifest", "policy", "config", "_values", "info"}
+
+
+def _layer_of(parts: list[str]) -> tuple[str, int]:
+    top = parts[0] if parts else "__init__"
+    assert top in LAYERS, f"module ckptmgr.{top} has no layer in tests/test_house.py"
+    return top, LAYERS[top]
+
+
+def _imports(tree: ast.AST) -> list[str]:
+    out: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append(node.module)
+    return out
+
+
+def test_imports_flow_down() -> None:
+    problems = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).with_suffix("").parts
+        name, layer = _layer_of(list(rel))
+        for mod in _imports(ast.parse(path.read_text())):
+            root = mod.split(".")[0]
+            if name in PURE and root in ("torch", "fsspec", "torch_xla"):
+                problems.append(f"pure module {'/'.join(rel)} imports {mod}")
+            if root == "fsspec" and name != "storage":
+                problems.append(f"{'/'.join(rel)} imports fsspec (only ckptmgr.storage may)")
+            if root in ("gcsfs", "s3fs"):
+                problems.append(f"{'/'.join(rel)} imports {root} directly")
+            if root == "torch_xla" and rel != ("dcp", "xla"):
+                problems.append(f"{'/'.join(rel)} imports torch_xla (only ckptmgr/dcp/xla.py may)")
+            if root == "ckptmgr" and mod != "ckptmgr":
+                target, tlayer = _layer_of(mod.split(".")[1:])
+                if tlayer > layer:
+                    problems.append(f"{'/'.join(rel)} (layer {layer}) imports {mod} "
+                                    f"(layer {tlayer})")
+    assert not problems, "\n".join(problems)
