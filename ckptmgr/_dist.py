@@ -33,7 +33,7 @@ def collective_timeout() -> timedelta:
 
 
 def make_group(process_group: Any) -> Any:
-    """A new gloo group over the ranks of ``process_group`` (or WORLD); None without torch.distributed.
+    """A new gloo group over the ranks of ``process_group`` (or WORLD); None without a group.
 
     Collective over the members of ``process_group``.
     """
@@ -135,7 +135,7 @@ class Comm:
         return result  # type: ignore[no-any-return]
 
     def on_coordinator(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the coordinator only and return its result (or raise its error) everywhere."""
+        """Run ``fn`` on the coordinator only; return its result (or raise its error) everywhere."""
         if self.group is None:
             return fn()
         payload: Any = None

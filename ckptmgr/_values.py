@@ -3,8 +3,8 @@
 Plain JSON covers None, bool, int, str, finite floats, lists and str-keyed dicts. Tags keep the
 rest exact: ``{"__tuple__": [...]}``, ``{"__float__": "nan" | "inf" | "-inf"}``,
 ``{"__bytes__": "<base64>"}``, ``{"__dict__": [[key, value], ...]}`` for dicts with non-str keys
-(or keys that look like tags) and ``{"__odict__": [[key, value], ...]}`` for OrderedDicts. Exact types
-only: a subclass (a namedtuple, an IntEnum) is not representable and needs pickle.
+(or keys that look like tags) and ``{"__odict__": [[key, value], ...]}`` for OrderedDicts.
+Exact types only: a subclass (a namedtuple, an IntEnum) is not representable and needs pickle.
 """
 
 from __future__ import annotations

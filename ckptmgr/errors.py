@@ -5,7 +5,7 @@ builtin it resembles, so ``except ValueError`` or ``except OSError`` keep workin
 
     CkptmgrError(Exception)
     ├── ConfigError(ValueError)                bad argument or config: names the field, value, rule
-    ├── BackendNotInstalledError(ImportError)  an fsspec backend is missing: says what to pip install
+    ├── BackendNotInstalledError(ImportError)  an fsspec backend is missing: says what to install
     ├── StorageError(OSError)                  I/O failed; names the object; original as __cause__
     ├── CheckpointNotFoundError(LookupError)   unknown step; lists the available ones
     │   └── IncompleteCheckpointError          the step exists but never committed
@@ -44,7 +44,7 @@ class CkptmgrError(Exception):
 
 
 class ConfigError(CkptmgrError, ValueError):
-    """An argument or config value is invalid; the message names the field, the value and the rule."""
+    """An argument or config value is invalid; the message names field, value and rule."""
 
 
 class BackendNotInstalledError(CkptmgrError, ImportError):

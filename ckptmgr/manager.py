@@ -18,14 +18,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
 
 from ckptmgr._dist import Comm, make_group
 from ckptmgr._values import is_representable
 from ckptmgr.config import ManagerConfig, load_config
-from ckptmgr.dcp._metadata_json import ItemLocation, decode_metadata, dtype_name
 from ckptmgr.dcp._bytes import checksum
 from ckptmgr.dcp._compat import dcp_load, dcp_save
+from ckptmgr.dcp._metadata_json import ItemLocation, decode_metadata, dtype_name
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
 from ckptmgr.dcp.reader import CkptStorageReader
 from ckptmgr.dcp.state import FlatState, flatten_state
@@ -114,8 +118,8 @@ class CheckpointManager:
     """Saves and restores a training state at integer steps under one root URL.
 
     Args:
-        path: root directory or URL (local path, ``file://``, ``memory://``, ``gs://``, ``s3://``, any
-            fsspec URL). Each step is a sub-directory named by its decimal step number.
+        path: root directory or URL (local path, ``file://``, ``memory://``, ``gs://``,
+            ``s3://``, any fsspec URL). Each step is a sub-directory named by its step number.
         save_interval: a step is due when ``step % save_interval == 0``.
         max_to_keep: keep at most this many newest steps (plus those other policies keep); None or
             0 keeps every step.
@@ -219,7 +223,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is due by the interval (local; no I/O)."""
         step = _check_step(step)
-        return step % self.config.save_interval == 0
+        return bool(step % self.config.save_interval == 0)
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (the view agreed at construction and after each commit)."""
@@ -634,15 +638,15 @@ class CheckpointManager:
             for entry in self._storage.scan_root(MANIFEST_NAME):
                 staged = parse_staging_name(entry.name)
                 step = parse_step_name(entry.name)
-                if staged is not None and staged[1] != plan.attempt and staged[0] < newest:
-                    target = entry.name
-                elif (step is not None and not entry.has_marker and step < newest
-                      and not entry.is_symlink and step not in self._records):
-                    target = entry.name
-                else:
+                old_staging = (staged is not None and staged[1] != plan.attempt
+                               and staged[0] < newest)
+                old_uncommitted = (step is not None and not entry.has_marker and step < newest
+                                   and not entry.is_symlink and step not in self._records)
+                if not (old_staging or old_uncommitted):
                     continue
-                log.info("removing leftover of a crashed save: %s/%s", self._storage.url, target)
-                self._storage.remove(target, recursive=True)
+                log.info("removing leftover of a crashed save: %s/%s", self._storage.url,
+                         entry.name)
+                self._storage.remove(entry.name, recursive=True)
         except StorageError as e:
             log.warning("could not remove leftovers: %s", e)
 

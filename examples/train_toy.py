@@ -5,8 +5,8 @@ Run it twice and the second run resumes where the first stopped::
     python examples/train_toy.py --steps 60              # trains steps 0..59, saves every 10
     python examples/train_toy.py --steps 120             # resumes from step 50, trains to 119
 
-Every step calls ``save_async``; the manager saves only the steps that are due. The loss of each step
-is printed as ``step <n> loss <value>`` so runs can be compared.
+Every step calls ``save_async``; the manager saves only the steps that are due. The loss of each
+step is printed as ``step <n> loss <value>`` so runs can be compared.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def test_imports_flow_down() -> None:
             if root == "torch_xla" and rel != ("dcp", "xla"):
                 problems.append(f"{'/'.join(rel)} imports torch_xla (only ckptmgr/dcp/xla.py may)")
             if root == "ckptmgr" and mod != "ckptmgr":
-                target, tlayer = _layer_of(mod.split(".")[1:])
+                _, tlayer = _layer_of(mod.split(".")[1:])
                 if tlayer > layer:
                     problems.append(f"{'/'.join(rel)} (layer {layer}) imports {mod} "
                                     f"(layer {tlayer})")

@@ -27,7 +27,7 @@ from ckptmgr.manifest import (
 
 @pytest.mark.parametrize("name,step", [("0", 0), ("7", 7), ("1000", 1000), ("00", None),
                                        ("07", None), ("-1", None), ("+1", None), ("1e3", None),
-                                       ("", None), (" 1", None), ("1.0", None), ("١", None),
+                                       ("", None), (" 1", None), ("1.0", None), ("\u0661", None),
                                        ("99999999999999999999", None)])
 def test_parse_step_name(name: str, step: int | None) -> None:
     assert parse_step_name(name) == step

@@ -90,7 +90,7 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, float) and a != a:
         assert isinstance(b, float) and b != b, path
@@ -379,7 +379,8 @@ import sys, torch, ckptmgr
 root = sys.argv[1]
 with ckptmgr.CheckpointManager(root, save_interval=1) as m:
     m.save(1, {"w": torch.ones(3)})
-    for bad in ({"w": torch.ones(4)}, {"w": torch.ones(3, dtype=torch.int64)}, {"x": torch.ones(1)}):
+    bads = ({"w": torch.ones(4)}, {"w": torch.ones(3, dtype=torch.int64)}, {"x": torch.ones(1)})
+    for bad in bads:
         try:
             m.restore(1, bad)
         except ckptmgr.StateMismatchError:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
+from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 __all__ = ["dcp_load", "dcp_save"]
@@ -23,18 +24,21 @@ def dcp_save(flat: dict[str, Any], writer: StorageWriter, planner: SavePlanner,
              group: Any) -> Metadata:
     """``dcp.save`` over ``group`` (None: this process alone)."""
     if group is not None:
-        return dcp.save(flat, storage_writer=writer, planner=planner, process_group=group)
+        md: Metadata = _dcp_save(flat, storage_writer=writer, planner=planner,
+                                 process_group=group)
+        return md
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-        return dcp.save(flat, storage_writer=writer, planner=planner, no_dist=True)
+        md = _dcp_save(flat, storage_writer=writer, planner=planner, no_dist=True)
+        return md
 
 
 def dcp_load(flat: dict[str, Any], reader: StorageReader, planner: LoadPlanner,
              group: Any) -> None:
     """``dcp.load`` over ``group`` (None: this process alone), in place into ``flat``."""
     if group is not None:
-        dcp.load(flat, storage_reader=reader, planner=planner, process_group=group)
+        _dcp_load(flat, storage_reader=reader, planner=planner, process_group=group)
         return
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
-        dcp.load(flat, storage_reader=reader, planner=planner, no_dist=True)
+        _dcp_load(flat, storage_reader=reader, planner=planner, no_dist=True)

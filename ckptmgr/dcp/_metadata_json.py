@@ -125,7 +125,7 @@ def decode_metadata(data: bytes) -> Metadata:
             offs = _ints(c.get("offsets"), f"{fqn} chunk offsets")
             sizes = _ints(c.get("sizes"), f"{fqn} chunk sizes")
             if len(offs) != len(size) or len(sizes) != len(size) or any(
-                    o + s > g for o, s, g in zip(offs, sizes, size)):
+                    o + s > g for o, s, g in zip(offs, sizes, size, strict=True)):
                 raise ManifestError(f"chunk of {fqn!r} lies outside the tensor")
             chunks.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
         sdm[fqn] = TensorStorageMetadata(
@@ -147,8 +147,7 @@ def decode_metadata(data: bytes) -> Metadata:
             file = check_relpath(s.get("file"))  # type: ignore[arg-type]
         except ValueError as e:
             raise ManifestError(f"storage path of {fqn!r} escapes the step directory: {e}") from e
-        pos, length = s.get("pos"), s.get("length")
-        _ints([pos, length], f"{fqn} position")
+        pos, length = _ints([s.get("pos"), s.get("length")], f"{fqn} position")
         if s.get("enc") not in ENCODINGS or not isinstance(s.get("checksum"), str):
             raise ManifestError(f"bad encoding or checksum for {fqn!r}")
         storage_data[idx] = ItemLocation(file, pos, length, s["checksum"], s["enc"])

@@ -127,7 +127,7 @@ class CkptStorageReader(StorageReader):
                 "trust who wrote this checkpoint", step=self.manifest.step)
         buf = bytearray(loc.length)
         self._read(loc, memoryview(buf))
-        self._verify(loc, buf, fqn)
+        self._verify(loc, memoryview(buf), fqn)
         value: Any
         if loc.enc == "json":
             try:
@@ -180,7 +180,7 @@ class CkptStorageReader(StorageReader):
         self._verify(loc, view, fqn)
         for ri in items:
             src = buf
-            for dim, (off, length) in enumerate(zip(ri.storage_offsets, ri.lengths)):
+            for dim, (off, length) in enumerate(zip(ri.storage_offsets, ri.lengths, strict=True)):
                 src = src.narrow(dim, off, length)
             target = planner.resolve_tensor(ri).detach()
             target.copy_(src)

@@ -7,7 +7,7 @@ so int-keyed dicts are restored in place, and ``Stateful`` objects are resolved 
 - a list or tuple is traversed when it holds (at any depth) a tensor or a Stateful, else it is a
   single Python value;
 - everything else is a leaf: a tensor, or a Python value stored as tagged JSON.
-The flat key of a leaf is its path joined with '.'. Two paths that join to the same key are an error.
+The flat key of a leaf is its path joined with '.'. Two paths joining to one key are an error.
 """
 
 from __future__ import annotations
@@ -151,7 +151,9 @@ def set_at_path(container: Any, path: tuple[PathKey, ...], value: Any) -> Any:
     if isinstance(container, tuple):
         items = list(container)
         items[key] = set_at_path(items[key], rest, value)  # type: ignore[index]
-        return type(container)(items) if type(container) is tuple else container._make(items)
+        if type(container) is tuple:
+            return tuple(items)
+        return container._make(items)  # type: ignore[attr-defined]  # a namedtuple
     child = container[key]
     new_child = set_at_path(child, rest, value)
     if new_child is not child or not rest:

@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptmgr._version import __version__
 from ckptmgr._values import NotRepresentableError, encode_value
+from ckptmgr._version import __version__
 from ckptmgr.dcp._bytes import Hasher, checksum, tensor_memoryview
 from ckptmgr.dcp._metadata_json import ItemLocation, encode_metadata
 from ckptmgr.errors import UnsafeCheckpointError

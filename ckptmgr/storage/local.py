@@ -1,4 +1,4 @@
-"""Local-disk storage on POSIX calls: fsync of files and directories, atomic renames, no symlinks."""
+"""Local-disk storage on POSIX calls: fsync of files and directories, atomic renames."""
 
 from __future__ import annotations
 
