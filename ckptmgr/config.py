@@ -1,0 +1,543 @@
+"""The validated configuration of a CheckpointManager: pydantic models, YAML loading, messages.
+
+This is the one place where the manager's arguments are validated. The constructor calls
+:meth:`ManagerConfig.from_kwargs` with its flat arguments; ``CheckpointManager.from_config`` calls
+:func:`load_config` with a YAML file, a mapping or a model. Both return a frozen
+:class:`ManagerConfig` with nested sections::
+
+    ManagerConfig        path, save_interval, overwrite, verify
+    ├── storage          StorageConfig      fsspec options (credentials, endpoint, ...)
+    ├── retention        RetentionConfig    which committed steps to keep
+    ├── async            AsyncConfig        the single-in-flight save queue
+    └── preemption       PreemptionConfig   signals that trigger a last checkpoint
+
+Every failure is a :class:`~ckptmgr.errors.ConfigError` (the original error as ``__cause__``) whose
+message names the field, the value and the rule. Fields are named as the caller spelled them: the
+constructor argument (``max_to_keep``) for :meth:`ManagerConfig.from_kwargs`, the dotted YAML path
+(``retention.max_to_keep``) otherwise. Values of ``storage.options`` can hold secrets, so they never
+appear in messages or in ``repr()``; only their keys do.
+
+Pure layer: stdlib, pydantic, PyYAML and :mod:`ckptmgr.errors` only (no torch, no fsspec).
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import signal
+from collections.abc import Hashable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+from ckptmgr.errors import ConfigError
+
+__all__ = [
+    "PATH_ENV_VAR",
+    "AsyncConfig",
+    "ManagerConfig",
+    "PreemptionConfig",
+    "RetentionConfig",
+    "StorageConfig",
+    "load_config",
+]
+
+log = logging.getLogger(__name__)
+
+PATH_ENV_VAR = "CKPTMGR_PATH"
+"""When set and not blank, this environment variable replaces ``path`` in :func:`load_config`."""
+
+# Signals a process cannot catch, so a handler for them could never run.
+_UNCATCHABLE = frozenset({signal.SIGKILL, signal.SIGSTOP})
+_NO_VALUE: Any = object()
+
+# The rule of each field as the caller's message states it ("<name> must be <rule>, got <value>"),
+# keyed by the dotted YAML path.
+_RULES: dict[str, str] = {
+    "path": "a non-empty str",
+    "save_interval": "an int >= 1",
+    "overwrite": "a bool",
+    "verify": "a bool",
+    "storage": "a mapping",
+    "storage.options": "None or a dict with str keys",
+    "retention": "a mapping",
+    "retention.max_to_keep": "None or an int >= 0",
+    "retention.keep_period": "None or an int >= 1",
+    "retention.keep_time_interval": "None or a finite number of seconds > 0",
+    "retention.best_metric": "None or a non-empty str",
+    "retention.best_mode": "'min' or 'max'",
+    "retention.keep_best": "None or an int >= 1",
+    "async": "a mapping",
+    "async.max_pending_async": "1 (one save in flight is the design)",
+    "async.backpressure": "'block' or 'skip'",
+    "async.num_of_threads": "None or an int >= 1",
+    "preemption": "a mapping",
+    "preemption.enabled": "a bool",
+    "preemption.signals": "a signal name ('SIGTERM' or 'TERM'), a signal number, or a list of them",
+    "preemption.grace_s": "a finite number of seconds > 0",
+    "preemption.exit_on_preemption": "a bool",
+}
+
+# Constructor argument -> where it lives in the model (section alias, field), in constructor order.
+_FLAT: dict[str, tuple[str, ...]] = {
+    "path": ("path",),
+    "save_interval": ("save_interval",),
+    "max_to_keep": ("retention", "max_to_keep"),
+    "max_pending_async": ("async", "max_pending_async"),
+    "num_of_threads": ("async", "num_of_threads"),
+    "chkpt_on_preemption": ("preemption", "enabled"),
+    "storage_options": ("storage", "options"),
+    "keep_period": ("retention", "keep_period"),
+    "keep_time_interval": ("retention", "keep_time_interval"),
+    "best_metric": ("retention", "best_metric"),
+    "best_mode": ("retention", "best_mode"),
+    "keep_best": ("retention", "keep_best"),
+    "overwrite": ("overwrite",),
+    "backpressure": ("async", "backpressure"),
+    "verify": ("verify",),
+    "preemption_signals": ("preemption", "signals"),
+    "preemption_grace_s": ("preemption", "grace_s"),
+    "exit_on_preemption": ("preemption", "exit_on_preemption"),
+}
+_DOTTED_TO_FLAT = {".".join(where): name for name, where in _FLAT.items()}
+
+
+class _Rule(ValueError):
+    """A broken rule raised inside a model; the formatter names the fields in the caller's terms.
+
+    ``template`` holds ``{name}`` for the field being validated and ``{0}``, ``{1}`` for the
+    ``fields`` of the same section; ``got`` is appended as ``, got <value>``.
+    """
+
+    def __init__(self, template: str, *fields: str, got: Any = _NO_VALUE) -> None:
+        super().__init__(template)
+        self.template = template
+        self.fields = fields
+        self.got = got
+
+
+# hide_input_in_errors: the pydantic error kept as __cause__ must not echo secrets either.
+_MODEL_CONFIG = ConfigDict(extra="forbid", frozen=True, populate_by_name=True,
+                           hide_input_in_errors=True)
+
+
+# True while an outer validation runs. A model that defines __init__ is validated by calling it,
+# also when nested, and pydantic re-locates a nested ValidationError under the outer field; so
+# only the outermost call may turn it into a ConfigError.
+_VALIDATING: ContextVar[bool] = ContextVar("ckptmgr_config_validating", default=False)
+
+
+@contextmanager
+def _outermost(root: type[BaseModel], *, flat: bool, where: str = "") -> Iterator[None]:
+    """Runs a validation, turning its ValidationError into a ConfigError if it is the outermost."""
+    if _VALIDATING.get():
+        yield
+        return
+    token = _VALIDATING.set(True)
+    try:
+        yield
+    except ValidationError as e:
+        raise ConfigError(where + _describe(e, root=root, flat=flat)) from e
+    finally:
+        _VALIDATING.reset(token)
+
+
+class _Section(BaseModel):
+    """Base of every config model: constructing one directly raises ConfigError too."""
+
+    model_config = _MODEL_CONFIG
+
+    def __init__(self, **data: Any) -> None:
+        with _outermost(type(self), flat=False):
+            super().__init__(**data)
+
+
+# ---------------------------------------------------------------------------------------------
+# The models
+
+
+_Int0 = Annotated[int, Strict(), Field(ge=0)]
+_Int1 = Annotated[int, Strict(), Field(ge=1)]
+_Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+_Name = Annotated[str, Strict(), Field(min_length=1)]
+
+
+class StorageConfig(_Section):
+    """Options passed to the fsspec filesystem (endpoint, project, credentials, ...).
+
+    Values are never shown in errors or ``repr()``: they may be secrets.
+    """
+
+    options: dict[Annotated[str, Strict()], Any] = Field(
+        default_factory=dict, description="keyword arguments for the fsspec filesystem")
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _none_is_empty(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        yield "options", dict.fromkeys(self.options, "<redacted>")
+
+
+class RetentionConfig(_Section):
+    """Which committed steps to keep: the union of latest-k, every N steps, one per time interval
+    and best-k by a metric."""
+
+    max_to_keep: _Int0 | None = Field(
+        default=None, description="keep this many newest steps; None or 0 keeps every step")
+    keep_period: _Int1 | None = Field(
+        default=None, description="also keep every step divisible by this")
+    keep_time_interval: _Seconds | None = Field(
+        default=None, description="also keep one step per this many seconds")
+    best_metric: _Name | None = Field(
+        default=None, description="also keep the best keep_best steps by this metric")
+    best_mode: Literal["min", "max"] = Field(
+        default="min", description="whether the best metric value is the lowest or the highest")
+    keep_best: _Int1 | None = Field(
+        default=None, description="how many best steps to keep (needs best_metric)")
+
+    @model_validator(mode="after")
+    def _best_needs_metric(self) -> RetentionConfig:
+        if self.keep_best is not None and self.best_metric is None:
+            raise _Rule("{0} requires {1} to be set", "keep_best", "best_metric",
+                        got=self.keep_best)
+        return self
+
+
+class AsyncConfig(_Section):
+    """The background save queue: one save in flight, and what a save does while one is."""
+
+    max_pending_async: Annotated[int, Strict()] = Field(
+        default=1, description="saves in flight; must be 1")
+    backpressure: Literal["block", "skip"] = Field(
+        default="block", description="wait for the in-flight save, or skip the new one")
+    num_of_threads: _Int1 | None = Field(
+        default=None, description="writer threads per rank; None lets ckptmgr choose")
+
+    @field_validator("max_pending_async")
+    @classmethod
+    def _exactly_one(cls, value: int) -> int:
+        if value != 1:
+            raise _Rule("{name} must be 1 (one save in flight is the design)", got=value)
+        return value
+
+
+def _to_signal(item: Any) -> signal.Signals:
+    if isinstance(item, signal.Signals):
+        sig = item
+    elif isinstance(item, int) and not isinstance(item, bool):
+        try:
+            sig = signal.Signals(item)
+        except ValueError:
+            raise _Rule("{name} must name known signals", got=item) from None
+    elif isinstance(item, str):
+        name = item.strip().upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        if name.startswith("SIG_") or name not in signal.Signals.__members__:
+            raise _Rule("{name} must name known signals (e.g. 'SIGTERM', 'TERM' or 15)", got=item)
+        sig = signal.Signals[name]
+    else:
+        raise _Rule("{name} must be " + _RULES["preemption.signals"], got=item)
+    if sig in _UNCATCHABLE:
+        raise _Rule("{name} cannot include SIGKILL or SIGSTOP (they cannot be caught)", got=item)
+    return sig
+
+
+def _to_signals(value: Any) -> tuple[signal.Signals, ...]:
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    out: list[signal.Signals] = []
+    for item in items:
+        sig = _to_signal(item)
+        if sig not in out:
+            out.append(sig)
+    return tuple(out)
+
+
+class PreemptionConfig(_Section):
+    """The last checkpoint taken when a preemption signal arrives."""
+
+    enabled: Annotated[bool, Strict()] = Field(
+        default=True, description="take a last checkpoint when a preemption signal arrives")
+    signals: Annotated[tuple[signal.Signals, ...], BeforeValidator(_to_signals)] = Field(
+        default=(signal.SIGTERM,), description="the signals that mean preemption")
+    grace_s: _Seconds = Field(
+        default=30.0, description="seconds the scheduler allows between the signal and the kill")
+    exit_on_preemption: Annotated[bool, Strict()] = Field(
+        default=True, description="exit (128 + signal) after the last checkpoint commits")
+
+    @model_validator(mode="after")
+    def _some_signal_when_enabled(self) -> PreemptionConfig:
+        if self.enabled and not self.signals:
+            raise _Rule("{0} must name at least one signal when {1} is true", "signals", "enabled",
+                        got=self.signals)
+        return self
+
+    @field_serializer("signals", when_used="json")
+    def _signal_names(self, value: tuple[signal.Signals, ...]) -> list[str]:
+        return [s.name for s in value]
+
+
+_SECTIONS = ("storage", "retention", "async", "preemption")
+
+
+class ManagerConfig(_Section):
+    """Everything a CheckpointManager is configured with (all but the process group).
+
+    Build one with :meth:`from_kwargs` (the constructor's flat arguments) or :func:`load_config`
+    (a YAML file or a mapping); the constructor takes it back with :meth:`to_kwargs`.
+    """
+
+    path: _Name = Field(description="root directory or fsspec URL of the checkpoints")
+    save_interval: _Int1 = Field(description="a step is due when step % save_interval == 0")
+    overwrite: Annotated[bool, Strict()] = Field(
+        default=False, description="allow re-saving a committed step")
+    verify: Annotated[bool, Strict()] = Field(
+        default=True, description="check sizes and checksums on restore")
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_section_is_default(cls, data: Any) -> Any:
+        # A YAML section whose keys are all commented out loads as None: that means "defaults".
+        if isinstance(data, Mapping) and any(data.get(s, 0) is None for s in _SECTIONS):
+            return {k: v for k, v in data.items() if not (k in _SECTIONS and v is None)}
+        return data
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ManagerConfig:
+        """Validates the constructor's flat arguments (all but ``process_group``).
+
+        Raises:
+            ConfigError: an unknown argument (with a suggestion) or an invalid value; the message
+                names the constructor argument, the value and the rule.
+        """
+        unknown = [k for k in kwargs if k not in _FLAT]
+        if unknown:
+            raise ConfigError("; ".join(_unknown_argument(k) for k in unknown))
+        data: dict[str, Any] = {}
+        for name, value in kwargs.items():
+            *section, field = _FLAT[name]
+            (data.setdefault(section[0], {}) if section else data)[field] = value
+        with _outermost(cls, flat=True):
+            return cls.model_validate(data)
+        raise AssertionError("unreachable")  # mypy: a context manager may swallow exceptions
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The constructor's flat arguments, in its order (``from_kwargs`` takes them back).
+
+        ``storage_options`` is a copy, or None when empty (the constructor's default).
+        """
+        out: dict[str, Any] = {}
+        for name, where in _FLAT.items():
+            obj: Any = self
+            for part in where:
+                obj = getattr(obj, _attr(type(obj), part))
+            out[name] = obj
+        out["storage_options"] = dict(self.storage.options) or None
+        return out
+
+
+def _attr(model: type[BaseModel], key: str) -> str:
+    """The attribute name of the field that ``key`` (alias or name) spells, or ``key`` itself."""
+    for name, info in model.model_fields.items():
+        if key in (name, info.alias):
+            return name
+    return key
+
+
+def _submodel(model: type[BaseModel], key: str) -> type[BaseModel] | None:
+    info = model.model_fields.get(_attr(model, key))
+    ann = info.annotation if info is not None else None
+    return ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+
+
+def _keys(model: type[BaseModel]) -> list[str]:
+    return [info.alias or name for name, info in model.model_fields.items()]
+
+
+# Section model -> its key in ManagerConfig, so a section built on its own names "retention.x".
+_SECTION_OF: dict[type[BaseModel], str] = {
+    sub: key for key in _keys(ManagerConfig) if (sub := _submodel(ManagerConfig, key)) is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages
+
+
+def _suggest(word: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _unknown_argument(name: str) -> str:
+    if name == "process_group":
+        return "process_group is not part of the config; pass it to the CheckpointManager"
+    return f"unknown argument {name!r}{_suggest(name, list(_FLAT))}"
+
+
+def _show(dotted: str, value: Any) -> str:
+    if dotted.split(".")[0] in ("storage", "path") and not (isinstance(value, str) and not value):
+        # storage options may be secrets and a URL may carry user:password: name the type only.
+        return type(value).__name__
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _describe(err: ValidationError, *, root: type[BaseModel], flat: bool) -> str:
+    """One line naming each failed field, its value and its rule."""
+    prefix = (_SECTION_OF[root],) if root in _SECTION_OF else ()
+    return "; ".join(_describe_one(e, root=root, prefix=prefix, flat=flat)
+                     for e in err.errors(include_url=False))
+
+
+def _describe_one(e: Mapping[str, Any], *, root: type[BaseModel], prefix: tuple[str, ...],
+                  flat: bool) -> str:
+    # Split the location into the model fields it walks through and what follows (dict keys).
+    model: type[BaseModel] | None = root
+    names: list[str] = list(prefix)
+    rest: list[Any] = []
+    for part in e["loc"]:
+        if model is not None and not rest and isinstance(part, str) and part in _keys(model):
+            names.append(part)
+            model = _submodel(model, part)
+        else:
+            rest.append(part)
+
+    def display(dotted: str) -> str:
+        return _DOTTED_TO_FLAT.get(dotted, dotted) if flat else dotted
+
+    dotted = ".".join(names)
+    name = display(dotted)
+    kind, value, ctx = e["type"], e.get("input"), e.get("ctx", {})
+    if kind == "extra_forbidden" and rest:
+        key = str(rest[0])
+        owner = model if model is not None else root
+        hint = _suggest(key, _keys(owner))
+        if not hint and dotted == "storage":
+            hint = " (fsspec options go under storage.options)"
+        return f"unknown field {'.'.join([*names, key])!r}{hint}"
+    if rest and rest[-1] == "[key]":
+        return f"{name} keys must be str, got {rest[0]!r}"
+    if kind == "missing":
+        return f"{name} is required"
+    rule = ctx.get("error")
+    if isinstance(rule, _Rule):
+        # A model validator's location is its section; its rule names fields of that section.
+        fields = [display(".".join([*names, f])) for f in rule.fields]
+        text = rule.template.replace("{name}", name)
+        for i, field_name in enumerate(fields):
+            text = text.replace(f"{{{i}}}", field_name)
+        return text if rule.got is _NO_VALUE else f"{text}, got {_show(dotted, rule.got)}"
+    if kind in ("greater_than_equal", "greater_than"):
+        op = ">=" if kind == "greater_than_equal" else ">"
+        bound = ctx.get("ge", ctx.get("gt"))
+        return f"{name} must be {op} {bound:g}, got {_show(dotted, value)}"
+    if kind == "finite_number":
+        return f"{name} must be a finite number, got {_show(dotted, value)}"
+    if kind == "string_too_short":
+        return f"{name} must be a non-empty str, got {_show(dotted, value)}"
+    rule_text = _RULES.get(dotted, e["msg"].lower())
+    return f"{name} must be {rule_text}, got {_show(dotted, value)}"
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _read_yaml(path: str) -> Any:
+    try:
+        # Parse from the stream, not a string: marks then carry no snippet of the file's text,
+        # which could hold a secret, into the original error kept as __cause__.
+        with open(path, encoding="utf-8") as f:
+            return yaml.load(f, Loader=_StrictLoader)  # a SafeLoader subclass
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file {path!r} does not exist") from e
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path!r}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text") from e
+    except yaml.YAMLError as e:
+        where = ""
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(e, "problem", None) or "syntax error"
+        raise ConfigError(f"config file {path!r} is not valid YAML: {problem}{where}") from e
+
+
+def load_config(
+        source: ManagerConfig | str | os.PathLike[str] | Mapping[str, Any]) -> ManagerConfig:
+    """The validated config of a model, a YAML file or a mapping (nested as in the YAML).
+
+    When the ``CKPTMGR_PATH`` environment variable is set and not blank it replaces ``path``
+    (then a file or mapping may leave ``path`` out). A relative ``path`` is relative to the
+    process's working directory, not to the YAML file. Local; no I/O besides reading the file.
+
+    Raises:
+        ConfigError: a missing or unreadable file, invalid YAML, a top level that is not a mapping,
+            an unknown key (with a suggestion) or an invalid value (named by its dotted path).
+    """
+    env = os.environ.get(PATH_ENV_VAR, "")
+    env_path = env if env.strip() else None
+    if isinstance(source, ManagerConfig):
+        if env_path is None:
+            return source
+        log.info("config path replaced by $%s", PATH_ENV_VAR)  # the URL may carry credentials
+        return source.model_copy(update={"path": env_path})
+    where = ""
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        data = _read_yaml(path)
+        where = f"config file {path!r}: "
+        if data is None:
+            raise ConfigError(f"config file {path!r} is empty; it needs at least save_interval "
+                              "and path")
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"config file {path!r} must hold a mapping at top level, got "
+                              f"{type(data).__name__}")
+    elif isinstance(source, Mapping):
+        data = source
+    else:
+        raise ConfigError("config must be a ManagerConfig, a YAML file path or a mapping, got "
+                          f"{type(source).__name__}")
+    if env_path is not None:
+        log.info("config path replaced by $%s", PATH_ENV_VAR)
+        data = {**data, "path": env_path}
+    with _outermost(ManagerConfig, flat=False, where=where):
+        return ManagerConfig.model_validate(data)
+    raise AssertionError("unreachable")  # mypy: a context manager may swallow exceptions
