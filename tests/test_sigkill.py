@@ -37,17 +37,17 @@ def expected(step: int) -> dict[str, object]:
 def test_repeated_sigkill_during_saves(local_root: str) -> None:
     killed_at = []
     for round_ in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", _WRITER, local_root],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert proc.stdout is not None
-        # let it commit a few steps, then kill at a varying moment inside a save
-        for _ in range(2 + round_):
-            line = proc.stdout.readline()
-            assert line, proc.stderr.read() if proc.stderr else ""
-        time.sleep(0.013 * round_)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        killed_at.append(line.strip())
+        with subprocess.Popen([sys.executable, "-c", _WRITER, local_root],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+            assert proc.stdout is not None and proc.stderr is not None
+            # let it commit a few steps, then kill at a varying moment inside a save
+            for _ in range(2 + round_):
+                line = proc.stdout.readline()
+                assert line, proc.stderr.read()
+            time.sleep(0.013 * round_)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            killed_at.append(line.strip())
         with CheckpointManager(local_root, save_interval=1, max_to_keep=3) as mgr:
             steps = mgr.all_steps()
             assert steps, killed_at
