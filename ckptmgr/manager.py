@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ckptmgr._async import SaveQueue, Stager
 from ckptmgr._dist import Comm, make_group
 from ckptmgr._values import is_representable
 from ckptmgr.config import ManagerConfig, load_config
@@ -35,6 +36,7 @@ from ckptmgr.dcp.reader import CkptStorageReader
 from ckptmgr.dcp.state import FlatState, flatten_state
 from ckptmgr.dcp.writer import CkptStorageWriter, CommitPlan
 from ckptmgr.errors import (
+    AsyncSaveError,
     CheckpointExistsError,
     CheckpointNotFoundError,
     CkptmgrError,
@@ -182,15 +184,22 @@ class CheckpointManager:
             best_mode=ret.best_mode, keep_best=ret.keep_best)
         self._needs_records = bool(ret.max_to_keep) and (
             ret.keep_time_interval is not None or ret.best_metric is not None)
+        # Two gloo groups of our own, each used by one thread only (two threads issuing
+        # collectives on one group deadlock): the caller's thread, and the background writer.
         self._group = make_group(process_group)
+        self._worker_group = make_group(process_group) if self._group is not None else None
         self._comm = Comm(self._group)
+        self._wcomm = Comm(self._worker_group)
+        self._queue = SaveQueue()
+        self._stager = Stager()
+        self._inflight_step: int | None = None
         self._records: dict[int, StepRecord] = {}
         self._last_stats: SaveStats | None = None
         self._closed = False
         try:
             self._records = self._comm.on_coordinator(self._scan_records)
         except BaseException:
-            self._release_group()
+            self._release_groups()
             self._closed = True
             raise
         log.info("CheckpointManager at %s: %d committed steps", self._storage.url,
@@ -264,40 +273,63 @@ class CheckpointManager:
              trusted: bool = False) -> bool:
         """Save ``state_dict`` at ``step`` if due (or ``force``); blocks until committed.
 
-        Collective. Returns True when it saved.
+        Collective. Waits for a save in flight first. Returns True when it saved.
 
         Raises:
             ConfigError: a bad step, metrics, metadata or state dict.
             CheckpointExistsError: ``step`` is committed and ``overwrite`` is off.
             UnsafeCheckpointError: the state holds objects that need pickle and not ``trusted``.
             SaveError: the save failed on some rank (``.failures``); nothing was committed.
+            AsyncSaveError: the previous background save failed (raised once).
         """
-        return self._save(step, state_dict, force, metrics, metadata, trusted, time.perf_counter())
+        return self._save(step, state_dict, force, metrics, metadata, trusted, background=False)
 
     def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False, *,
                    metrics: Mapping[str, float] | None = None,
                    metadata: Mapping[str, Any] | None = None, trusted: bool = False) -> bool:
-        """Like :meth:`save`; the state is captured before returning (currently written before
-        returning too). Collective."""
-        return self._save(step, state_dict, force, metrics, metadata, trusted, time.perf_counter())
+        """Save ``state_dict`` at ``step`` in the background if due (or ``force``).
+
+        Collective. Captures the whole state before returning: tensors are copied into reused
+        host buffers, Python values are deep-copied and every Stateful's ``state_dict()`` is
+        called, so later changes never reach the checkpoint. A background worker then writes,
+        commits and applies retention. With a save in flight it first waits for it
+        (``backpressure="block"``) or returns False (``"skip"``; forced saves never skip).
+
+        Returns:
+            True when the step was captured and queued.
+
+        Raises:
+            AsyncSaveError: the previous background save failed (raised once, on every rank).
+            The errors of :meth:`save` that concern the inputs.
+        """
+        return self._save(step, state_dict, force, metrics, metadata, trusted, background=True)
 
     def join(self) -> None:
-        """Wait for the in-flight save and its retention; re-raise its failure. Collective."""
-        self._check_open()
+        """Wait for the save in flight and its retention; re-raise its failure once.
+
+        Raises:
+            AsyncSaveError: the background save failed; its original error is ``__cause__``.
+        """
+        err = self._queue.wait()
+        self._inflight_step = None
+        if err is not None:
+            raise self._async_error(err)
 
     def wait_until_finished(self) -> None:
         """Alias of :meth:`join`."""
         self.join()
 
     def close(self) -> None:
-        """Join, then release ckptmgr's process groups. Idempotent. Collective."""
+        """Wait for the save in flight (re-raising its failure), then release ckptmgr's process
+        groups and staging memory. Idempotent. Collective."""
         if self._closed:
             return
         try:
             self.join()
         finally:
             self._closed = True
-            self._release_group()
+            self._stager.release()
+            self._release_groups()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -350,13 +382,23 @@ class CheckpointManager:
         if self._closed:
             raise CkptmgrError("this CheckpointManager is closed; create a new one")
 
-    def _release_group(self) -> None:
-        group, self._group = getattr(self, "_group", None), None
-        if group is not None and dist.is_initialized():
-            try:
-                dist.destroy_process_group(group)
-            except Exception as e:  # a failed release must not mask the caller's error
-                log.debug("could not destroy ckptmgr group: %s", e)
+    def _release_groups(self) -> None:
+        for attr in ("_group", "_worker_group"):
+            group = getattr(self, attr, None)
+            setattr(self, attr, None)
+            if group is not None and dist.is_initialized():
+                try:
+                    dist.destroy_process_group(group)
+                except Exception as e:  # a failed release must not mask the caller's error
+                    log.debug("could not destroy ckptmgr group: %s", e)
+
+    def _async_error(self, err: BaseException) -> AsyncSaveError:
+        step = getattr(err, "step", None)
+        failures = getattr(err, "failures", None) or {}
+        e = AsyncSaveError(f"the background save of step {step} failed: {err}", step=step,
+                           failures=failures)
+        e.__cause__ = err
+        return e
 
     def _require_committed(self, step: int) -> None:
         if step in self._records:
@@ -493,17 +535,38 @@ class CheckpointManager:
         return [self._records[s] for s in sorted(self._records)]
 
     def _save(self, step: Any, state_dict: Mapping[str, Any], force: bool, metrics: Any,
-              metadata: Any, trusted: bool, t_call: float) -> bool:
+              metadata: Any, trusted: bool, *, background: bool) -> bool:
+        t_call = time.perf_counter()
         self._check_open()
         step = _check_step(step)
         if not isinstance(force, bool):
             raise ConfigError(f"force must be a bool, got {force!r}")
         metrics_d = _check_metrics(metrics)
         metadata_d = _check_metadata(metadata)
-        self.join()
         if not (force or self.should_save(step)):
+            # A step that is not due never blocks. A failure already known is raised now when
+            # this process is alone; with several ranks only at due steps, where all ranks meet.
+            if self._comm.world_size == 1 and self._queue.has_failed():
+                self.join()
             return False
-        self._save_now(step, state_dict, metrics_d, metadata_d, trusted, t_call)
+        # With "skip", every rank must take the same decision: skip if a save is in flight on any.
+        if (background and self.config.async_.backpressure == "skip" and not force
+                and self._comm.any(self._queue.in_flight)):
+            log.info("skipping step %d: the save of step %s is still in flight", step,
+                     self._inflight_step)
+            return False
+        self.join()
+        fs, plan = self._prepare(step, state_dict, metrics_d, metadata_d, trusted)
+        if not background:
+            self._write_and_commit(plan, fs.flat, trusted, self._comm, self._group, t_call, None)
+            return True
+        staged = self._stager.stage(fs.flat)
+        blocking_s = time.perf_counter() - t_call
+        self._inflight_step = step
+        self._queue.submit(
+            lambda: self._write_and_commit(plan, staged, trusted, self._wcomm, self._worker_group,
+                                           t_call, blocking_s),
+            name=f"ckptmgr-save-{step}")
         return True
 
     def _prepare_save(self, state_dict: Mapping[str, Any], trusted: bool) -> FlatState:
@@ -542,32 +605,44 @@ class CheckpointManager:
                           staged=staged, overwrite=committed, world_size=self._comm.world_size,
                           metrics=metrics, metadata=metadata)
 
-    def _save_now(self, step: int, state_dict: Mapping[str, Any], metrics: dict[str, float],
-                  metadata: dict[str, Any], trusted: bool, t_call: float) -> None:
+    def _prepare(self, step: int, state_dict: Mapping[str, Any], metrics: dict[str, float],
+                 metadata: dict[str, Any], trusted: bool) -> tuple[FlatState, CommitPlan]:
+        """(caller thread, collective) Flatten and check the state; the coordinator plans."""
         fs = self._comm.agree(lambda: self._prepare_save(state_dict, trusted), token=step)
         plan = self._comm.on_coordinator(lambda: self._plan_commit(step, metrics, metadata))
-        writer = CkptStorageWriter(self._storage, plan, self._comm.rank, trusted=trusted)
+        return fs, plan
+
+    def _write_and_commit(self, plan: CommitPlan, flat: dict[str, Any], trusted: bool,
+                          comm: Comm, group: Any, t_call: float, blocking_s: float | None) -> None:
+        """(collective over ``group``) Write, commit, apply retention, agree on the new steps.
+
+        Runs on the caller's thread for ``save`` and on the worker thread for ``save_async``;
+        ``comm``/``group`` are the ones owned by that thread.
+        """
+        step = plan.step
+        writer = CkptStorageWriter(self._storage, plan, comm.rank, trusted=trusted)
         t_write = time.perf_counter()
         try:
-            dcp_save(fs.flat, writer, CkptSavePlanner(), self._group)
+            dcp_save(flat, writer, CkptSavePlanner(), group)
         except CheckpointException as e:
             rank, exc, failures = _first_failure(e)
-            self._comm.on_coordinator(lambda: self._discard_attempt(plan))
+            comm.on_coordinator(lambda: self._discard_attempt(plan))
             if isinstance(exc, UnsafeCheckpointError):
                 raise exc from None
             raise SaveError(f"save of step {step} to {self._storage.url} failed on rank {rank}: "
                             f"{type(exc).__name__}: {exc}", step=step, failures=failures) from exc
         write_s = time.perf_counter() - t_write
         manifest = writer.manifest  # set on the coordinator only
-        self._records = self._comm.on_coordinator(
-            lambda: self._after_commit(plan, manifest))
-        total = sum(self._comm.all_gather(writer.bytes_written)) if self._group else (
-            writer.bytes_written)
-        self._last_stats = SaveStats(step=step, blocking_s=time.perf_counter() - t_call,
-                                     write_s=write_s, bytes=writer.bytes_written,
-                                     total_bytes=total)
-        log.info("saved step %d to %s: %.3f s, %d bytes this rank", step, self._storage.url,
-                 write_s, writer.bytes_written)
+        self._records = comm.on_coordinator(lambda: self._after_commit(plan, manifest))
+        total = sum(comm.all_gather(writer.bytes_written))
+        stats = SaveStats(
+            step=step,
+            blocking_s=blocking_s if blocking_s is not None else time.perf_counter() - t_call,
+            write_s=write_s, bytes=writer.bytes_written, total_bytes=total)
+        self._last_stats = stats
+        log.info("saved step %d to %s: blocked %.3f s, wrote %d bytes in %.3f s (%.1f MB/s)",
+                 step, self._storage.url, stats.blocking_s, total, write_s,
+                 stats.throughput_bytes_per_s / 1e6)
 
     def _discard_attempt(self, plan: CommitPlan) -> None:
         """(coordinator) Remove what a failed attempt wrote; never a committed manifest's files."""

@@ -67,7 +67,7 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> 
             raise ConfigError(
                 f"path {shown!r} is an existing file; a checkpoint root must be a directory")
         return storage
-    if scheme not in fsspec.available_protocols():
+    if scheme not in fsspec.available_protocols() and scheme not in fsspec.registry:
         raise ConfigError(
             f"unknown URL scheme {scheme!r} in {shown!r}; use a local path, file://, memory://, "
             "gs://, s3:// or another fsspec protocol")
