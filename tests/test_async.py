@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from _faulty import FaultyFS, install
+
 from ckptmgr import AsyncSaveError, CheckpointManager, SaveError
 
 
