@@ -401,6 +401,10 @@ class CheckpointManager:
         return e
 
     def _require_committed(self, step: int) -> None:
+        if self._storage.is_symlink(step_dir_name(step)):
+            raise UnsafeCheckpointError(
+                f"step directory {step} in {self._storage.url} is a symbolic link; ckptmgr never "
+                "follows links out of the root (replace it with a real directory)", step=step)
         if step in self._records:
             return
         available = self.all_steps()
