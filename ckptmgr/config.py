@@ -90,6 +90,7 @@ _RULES: dict[str, str] = {
     "preemption.signals": "a signal name ('SIGTERM' or 'TERM'), a signal number, or a list of them",
     "preemption.grace_s": "a finite number of seconds > 0",
     "preemption.exit_on_preemption": "a bool",
+    "preemption.file": "a path string (a file whose appearance means preemption)",
 }
 
 # Constructor argument -> where it lives in the model (section alias, field), in constructor order.
@@ -112,6 +113,7 @@ _FLAT: dict[str, tuple[str, ...]] = {
     "preemption_signals": ("preemption", "signals"),
     "preemption_grace_s": ("preemption", "grace_s"),
     "exit_on_preemption": ("preemption", "exit_on_preemption"),
+    "preemption_file": ("preemption", "file"),
 }
 _DOTTED_TO_FLAT = {".".join(where): name for name, where in _FLAT.items()}
 
@@ -279,6 +281,8 @@ class PreemptionConfig(_Section):
         default=30.0, description="seconds the scheduler allows between the signal and the kill")
     exit_on_preemption: Annotated[bool, Strict()] = Field(
         default=True, description="exit (128 + signal) after the last checkpoint commits")
+    file: Annotated[str, Strict(), Field(min_length=1)] | None = Field(
+        default=None, description="a file whose appearance also means preemption")
 
     @model_validator(mode="after")
     def _some_signal_when_enabled(self) -> PreemptionConfig:

@@ -12,16 +12,14 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     Metadata,
-    TensorStorageMetadata,
 )
 
 from ckptmgr._async import SaveQueue, Stager
@@ -30,7 +28,7 @@ from ckptmgr._values import is_representable
 from ckptmgr.config import ManagerConfig, load_config
 from ckptmgr.dcp._bytes import checksum
 from ckptmgr.dcp._compat import dcp_load, dcp_save
-from ckptmgr.dcp._metadata_json import ItemLocation, decode_metadata, dtype_name
+from ckptmgr.dcp._metadata_json import ItemLocation, decode_metadata
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
 from ckptmgr.dcp.reader import CkptStorageReader
 from ckptmgr.dcp.state import FlatState, flatten_state
@@ -61,6 +59,7 @@ from ckptmgr.layout import (
 )
 from ckptmgr.manifest import Manifest, ManifestError, decode_manifest
 from ckptmgr.policy import StepRecord, best_step, build_policy, steps_to_delete
+from ckptmgr.preemption import PreemptionWatcher
 from ckptmgr.storage import Storage, is_not_found, open_storage
 
 __all__ = ["CheckpointManager"]
@@ -134,7 +133,12 @@ class CheckpointManager:
         overwrite: allow re-saving a committed step (the old one stays valid until the new commit).
         backpressure: "block" or "skip" while a save is in flight.
         verify: check sizes and checksums on restore.
-        preemption_signals, preemption_grace_s, exit_on_preemption: preemption behaviour.
+        preemption_signals, preemption_grace_s, exit_on_preemption: preemption behaviour: at
+            the first save/save_async call after one of these signals, every rank saves that
+            same step, waits for the commit, then exits with 128 + signal (or returns, and
+            ``reached_preemption(step)`` is True).
+        preemption_file: a path whose appearance also means preemption.
+        preemption_check: a callable returning True on preemption (e.g. a metadata-server poll).
 
     Raises:
         ConfigError: an invalid argument (names the field, value and rule), an unknown URL scheme,
@@ -164,6 +168,8 @@ class CheckpointManager:
         preemption_signals: Any = (signal.SIGTERM,),
         preemption_grace_s: float = 30.0,
         exit_on_preemption: bool = True,
+        preemption_file: str | None = None,
+        preemption_check: Callable[[], bool] | None = None,
     ) -> None:
         self._closed = True  # until fully constructed, close() has nothing to release
         cfg = ManagerConfig.from_kwargs(
@@ -174,7 +180,7 @@ class CheckpointManager:
             best_metric=best_metric, best_mode=best_mode, keep_best=keep_best,
             overwrite=overwrite, backpressure=backpressure, verify=verify,
             preemption_signals=preemption_signals, preemption_grace_s=preemption_grace_s,
-            exit_on_preemption=exit_on_preemption)
+            exit_on_preemption=exit_on_preemption, preemption_file=preemption_file)
         self.config = cfg
         self._storage: Storage = open_storage(cfg.path, cfg.storage.options)
         ret = cfg.retention
@@ -184,6 +190,11 @@ class CheckpointManager:
             best_mode=ret.best_mode, keep_best=ret.keep_best)
         self._needs_records = bool(ret.max_to_keep) and (
             ret.keep_time_interval is not None or ret.best_metric is not None)
+        self._preempt = PreemptionWatcher(
+            cfg.preemption.signals if cfg.preemption.enabled else (),
+            file=cfg.preemption.file, check=preemption_check)
+        self._preempted_step: int | None = None
+        self._grace_warned = False
         # Two gloo groups of our own, each used by one thread only (two threads issuing
         # collectives on one group deadlock): the caller's thread, and the background writer.
         self._group = make_group(process_group)
@@ -200,6 +211,7 @@ class CheckpointManager:
             self._records = self._comm.on_coordinator(self._scan_records)
         except BaseException:
             self._release_groups()
+            self._preempt.uninstall()
             self._closed = True
             raise
         log.info("CheckpointManager at %s: %d committed steps", self._storage.url,
@@ -232,7 +244,7 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is due by the interval (local; no I/O)."""
         step = _check_step(step)
-        return bool(step % self.config.save_interval == 0)
+        return bool(step % self.config.save_interval == 0) or step == self._preempted_step
 
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (the view agreed at construction and after each commit)."""
@@ -251,9 +263,8 @@ class CheckpointManager:
         return best_step(records, ret.best_metric, ret.best_mode)
 
     def reached_preemption(self, step: int) -> bool:
-        """Whether a preemption was agreed and checkpointed at ``step`` (no handler yet: False)."""
-        _check_step(step)
-        return False
+        """Whether a preemption was agreed, and its checkpoint taken, at ``step`` (local)."""
+        return _check_step(step) == self._preempted_step
 
     def step_info(self, step: int) -> StepInfo:
         """The manifest of committed ``step`` (reads it; local).
@@ -330,6 +341,7 @@ class CheckpointManager:
             self._closed = True
             self._stager.release()
             self._release_groups()
+            self._preempt.uninstall()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -467,44 +479,19 @@ class CheckpointManager:
                                f"this host is {sys.byteorder}-endian", step=step)
         metadata = self._read_metadata(step, manifest)
         fs = flatten_state(state_dict)
-        md = metadata.state_dict_metadata
+        from ckptmgr.dcp.report import compatibility_report
+
         pickle_keys = {idx.fqn for idx, loc in (metadata.storage_data or {}).items()
                        if isinstance(loc, ItemLocation) and loc.enc == "pickle"}
-        missing: list[str] = []
-        problems: list[str] = []
-        keys: list[str] = []
-        pickled: list[str] = []
-        for key, value in fs.flat.items():
-            saved = md.get(key)
-            if saved is None:
-                missing.append(key)
-                continue
-            if isinstance(value, torch.Tensor):
-                if not isinstance(saved, TensorStorageMetadata):
-                    problems.append(f"{key}: checkpoint holds a Python value, state has a tensor")
-                    continue
-                if tuple(value.shape) != tuple(saved.size):
-                    problems.append(f"{key}: shape {list(saved.size)} in checkpoint, "
-                                    f"{list(value.shape)} in state")
-                if value.dtype != saved.properties.dtype:
-                    problems.append(f"{key}: dtype {dtype_name(saved.properties.dtype)} in "
-                                    f"checkpoint, {dtype_name(value.dtype)} in state")
-            elif not isinstance(saved, BytesStorageMetadata):
-                problems.append(f"{key}: checkpoint holds a tensor, state has "
-                                f"{type(value).__name__}")
-                continue
-            elif key in pickle_keys and not trusted:
-                pickled.append(key)
-            keys.append(key)
-        if problems or (missing and not allow_partial):
-            lines = [f"missing from checkpoint: {k}" for k in missing] if not allow_partial else []
-            lines += problems
-            shown = "\n  ".join(lines[:50]) + ("\n  ..." if len(lines) > 50 else "")
-            raise StateMismatchError(
-                f"state_dict does not match step {step} ({len(missing)} missing keys, "
-                f"{len(problems)} shape/dtype mismatches):\n  {shown}\n"
-                + ("Pass allow_partial=True to load only the keys that exist." if missing else ""),
-                step=step, missing=missing, mismatches=problems)
+        report = compatibility_report(
+            metadata, fs.flat, manifest.world_size, world_size=self._comm.world_size,
+            saved_mesh=manifest.mesh, step=step)
+        missing, keys = list(report.missing), list(report.loadable)
+        pickled = [k for k in keys if k in pickle_keys and not trusted]
+        if not report.compatible(allow_partial):
+            raise StateMismatchError(report.error_message(allow_partial), step=step,
+                                     missing=missing, mismatches=list(report.mismatches))
+        log.info("restore plan: %s", report)
         if pickled:
             raise UnsafeCheckpointError(
                 f"step {step} stores {pickled[:10]} with pickle; pass trusted=True only if you "
@@ -547,6 +534,10 @@ class CheckpointManager:
             raise ConfigError(f"force must be a bool, got {force!r}")
         metrics_d = _check_metrics(metrics)
         metadata_d = _check_metadata(metadata)
+        signum = self._agree_preemption()
+        if signum:
+            return self._preemption_save(step, state_dict, metrics_d, metadata_d, trusted,
+                                         signum, t_call)
         if not (force or self.should_save(step)):
             # A step that is not due never blocks. A failure already known is raised now when
             # this process is alone; with several ranks only at due steps, where all ranks meet.
@@ -609,6 +600,37 @@ class CheckpointManager:
                           staged=staged, overwrite=committed, world_size=self._comm.world_size,
                           metrics=metrics, metadata=metadata)
 
+    def _agree_preemption(self) -> int:
+        """(collective on the caller group) The preemption signal any rank saw, else 0."""
+        local = self._preempt.triggered()
+        if self._comm.world_size == 1:
+            return local
+        return int(max(self._comm.all_gather(local)))
+
+    def _preemption_save(self, step: int, state_dict: Mapping[str, Any],
+                         metrics: dict[str, float], metadata: dict[str, Any], trusted: bool,
+                         signum: int, t_call: float) -> bool:
+        """Every rank saves ``step`` now, waits for the commit, then exits (or returns True)."""
+        log.warning("preemption (signal %d) agreed at step %d: saving it before exiting",
+                    signum, step)
+        self._preempted_step = step
+        try:
+            self.join()
+        except AsyncSaveError as e:  # the last checkpoint matters more than the one before it
+            log.error("the save before the preemption failed: %s", e)
+        if step in self._records and not self.config.overwrite:
+            log.warning("step %d is already committed: it is the preemption checkpoint", step)
+        else:
+            fs, plan = self._prepare(step, state_dict, metrics, metadata, trusted)
+            self._write_and_commit(plan, fs.flat, trusted, self._comm, self._group, t_call, None)
+        self._preempt.acknowledge()
+        log.warning("preemption checkpoint of step %d committed in %.2f s", step,
+                    time.perf_counter() - t_call)
+        if self.config.preemption.exit_on_preemption:
+            self.close()
+            raise SystemExit(128 + signum)
+        return True
+
     def _prepare(self, step: int, state_dict: Mapping[str, Any], metrics: dict[str, float],
                  metadata: dict[str, Any], trusted: bool) -> tuple[FlatState, CommitPlan]:
         """(caller thread, collective) Flatten and check the state; the coordinator plans."""
@@ -644,6 +666,13 @@ class CheckpointManager:
             blocking_s=blocking_s if blocking_s is not None else time.perf_counter() - t_call,
             write_s=write_s, bytes=writer.bytes_written, total_bytes=total)
         self._last_stats = stats
+        grace = self.config.preemption.grace_s
+        took = stats.blocking_s + (write_s if blocking_s is not None else 0.0)
+        if self.config.preemption.enabled and took > grace and not self._grace_warned:
+            self._grace_warned = True
+            log.warning("saving step %d took %.1f s, longer than preemption_grace_s=%.1f s: a "
+                        "preemption checkpoint may be killed before it commits; raise the grace "
+                        "period of your scheduler or make the state smaller", step, took, grace)
         log.info("saved step %d to %s: blocked %.3f s, wrote %d bytes in %.3f s (%.1f MB/s)",
                  step, self._storage.url, stats.blocking_s, total, write_s,
                  stats.throughput_bytes_per_s / 1e6)

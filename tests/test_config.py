@@ -53,6 +53,7 @@ YAML_PATH = {
     "chkpt_on_preemption": "preemption.enabled", "preemption_signals": "preemption.signals",
     "preemption_grace_s": "preemption.grace_s",
     "exit_on_preemption": "preemption.exit_on_preemption",
+    "preemption_file": "preemption.file",
 }
 BASE: dict[str, Any] = {"path": "/tmp/ckpt-run", "save_interval": 10}
 
@@ -112,7 +113,7 @@ def test_defaults_equal_the_constructor_defaults() -> None:
 
 def test_to_kwargs_matches_the_constructor_signature() -> None:
     params = [p for p in inspect.signature(ckptmgr.CheckpointManager.__init__).parameters.values()
-              if p.name not in ("self", "process_group")]
+              if p.name not in ("self", "process_group", "preemption_check")]
     kwargs = ManagerConfig.from_kwargs(**BASE).to_kwargs()
     assert [p.name for p in params] == list(kwargs)
     for p in params:
@@ -128,7 +129,7 @@ def test_round_trip_with_every_option_set() -> None:
         "keep_period": 100, "keep_time_interval": 3600.0, "best_metric": "val/loss",
         "best_mode": "max", "keep_best": 2, "overwrite": True, "backpressure": "skip",
         "verify": False, "preemption_signals": (signal.SIGUSR1, signal.SIGINT),
-        "preemption_grace_s": 12.5, "exit_on_preemption": False,
+        "preemption_grace_s": 12.5, "exit_on_preemption": False, "preemption_file": "/tmp/p",
     }
     cfg = ManagerConfig.from_kwargs(**kwargs)
     assert cfg.to_kwargs() == kwargs
