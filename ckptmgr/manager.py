@@ -700,10 +700,11 @@ class CheckpointManager:
         """(coordinator) Record the commit, drop an overwritten attempt, apply retention."""
         assert manifest is not None, "coordinator has no manifest after commit"
         records = dict(self._records)
-        old = records.get(plan.step)
         records[plan.step] = StepRecord(step=plan.step, time=manifest.unix_time,
                                         metrics=dict(manifest.metrics))
-        if plan.overwrite and old is not None:
+        if not plan.staged:
+            # Direct writes (object stores, overwrite): files of older or crashed attempts of
+            # this step are not referenced by the new manifest.
             self._remove_other_attempts(plan)
         # Nothing is in flight here: the only save in flight is the one that just committed.
         to_delete = steps_to_delete([records[s] for s in sorted(records)], self._policy)

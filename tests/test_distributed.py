@@ -24,8 +24,10 @@ def _save_restore(rank: int, world: int, root: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     with ckptmgr.CheckpointManager(root, save_interval=10, max_to_keep=2) as mgr:
-        for step in (10, 20, 30):
-            assert mgr.save(step, _state(step), metrics={"loss": 1.0 / step})
+        for step in (10, 20):  # in the background, on the worker's own group
+            assert mgr.save_async(step, _state(step), metrics={"loss": 1.0 / step})
+        assert mgr.save(30, _state(30), metrics={"loss": 1.0 / 30})
+        mgr.join()
         out["steps"] = mgr.all_steps()
         target = _zero()
         mgr.restore(30, target)

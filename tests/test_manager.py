@@ -342,16 +342,23 @@ def test_bad_urls(tmp_path: Any) -> None:
         CheckpointManager("", save_interval=1)
 
 
-def test_missing_backend_names_the_extra() -> None:
-    pytest.importorskip("torch")
-    try:
-        import gcsfs  # noqa: F401
-        pytest.skip("gcsfs is installed")
-    except ImportError:
-        pass
-    with pytest.raises(ckptmgr.BackendNotInstalledError, match=r"ckptmgr\[gcs\]") as ei:
-        CheckpointManager("gs://bucket/run", save_interval=1)
-    assert isinstance(ei.value, ImportError)
+def test_missing_backend_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsspec
+
+    real = fsspec.get_filesystem_class
+
+    def missing(protocol: str) -> Any:
+        # Fault injection: the backend packages may be installed here, so make them "absent".
+        if protocol in ("gs", "gcs", "s3"):
+            raise ImportError(f"Install the {protocol} backend (injected)")
+        return real(protocol)
+
+    monkeypatch.setattr(fsspec, "get_filesystem_class", missing)
+    for url, extra in (("gs://bucket/run", "gcs"), ("s3://bucket/run", "s3")):
+        with pytest.raises(ckptmgr.BackendNotInstalledError,
+                           match=rf"pip install 'ckptmgr\[{extra}\]'") as ei:
+            CheckpointManager(url, save_interval=1)
+        assert isinstance(ei.value, ImportError)
 
 
 def test_bad_metrics_and_state(local_root: str) -> None:
