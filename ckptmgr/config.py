@@ -44,6 +44,7 @@ from pydantic import (
     model_validator,
 )
 
+from ckptmgr._redact import redact_url
 from ckptmgr.errors import ConfigError
 
 __all__ = [
@@ -324,6 +325,11 @@ class ManagerConfig(_Section):
         if isinstance(data, Mapping) and any(data.get(s, 0) is None for s in _SECTIONS):
             return {k: v for k, v in data.items() if not (k in _SECTIONS and v is None)}
         return data
+
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        # The URL may carry user:password@ (the value itself is kept for the storage).
+        for name, value in super().__repr_args__():
+            yield name, redact_url(value) if name == "path" and isinstance(value, str) else value
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ManagerConfig:

@@ -20,6 +20,7 @@ import secrets
 __all__ = [
     "MANIFEST_NAME",
     "STAGING_PREFIX",
+    "check_file_name",
     "check_relpath",
     "data_file_name",
     "is_canonical_step_name",
@@ -97,6 +98,22 @@ def check_relpath(path: str) -> str:
     if any(p in ("", ".", "..") for p in parts):
         raise ValueError(f"path must not contain empty, '.' or '..' parts, got {path!r}")
     return path
+
+
+def check_file_name(name: str) -> str:
+    """Return ``name`` if it names a file directly inside the step directory.
+
+    ckptmgr writes every file of a step at its top level, so a name with a '/' is never ours; a
+    sub-directory could be a symbolic link out of the step, which opening with O_NOFOLLOW would
+    not catch (it guards the last part only).
+
+    Raises:
+        ValueError: for anything :func:`check_relpath` rejects, or a name with a '/'.
+    """
+    check_relpath(name)
+    if "/" in name:
+        raise ValueError(f"path must name a file directly in the step directory, got {name!r}")
+    return name
 
 
 def join(*parts: str) -> str:

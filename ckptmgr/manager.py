@@ -28,7 +28,7 @@ from ckptmgr._values import is_representable
 from ckptmgr.config import ManagerConfig, load_config
 from ckptmgr.dcp._bytes import checksum
 from ckptmgr.dcp._compat import dcp_load, dcp_save
-from ckptmgr.dcp._metadata_json import ItemLocation, decode_metadata
+from ckptmgr.dcp._metadata_json import MAX_METADATA_BYTES, ItemLocation, decode_metadata
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
 from ckptmgr.dcp.reader import CkptStorageReader
 from ckptmgr.dcp.state import FlatState, flatten_state
@@ -57,7 +57,13 @@ from ckptmgr.layout import (
     staging_dir_name,
     step_dir_name,
 )
-from ckptmgr.manifest import Manifest, ManifestError, decode_manifest
+from ckptmgr.manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ManifestError,
+    UnsafePathError,
+    decode_manifest,
+)
 from ckptmgr.policy import StepRecord, best_step, build_policy, steps_to_delete
 from ckptmgr.preemption import PreemptionWatcher
 from ckptmgr.storage import Storage, is_not_found, open_storage
@@ -437,6 +443,12 @@ class CheckpointManager:
                 f"step directory {step} in {self._storage.url} is a symlink; refusing to follow it",
                 step=step)
         try:
+            # Sized first: an oversized manifest is refused without reading it.
+            size = self._storage.size(path)
+            if size > MAX_MANIFEST_BYTES:
+                raise CorruptCheckpointError(
+                    f"step {step}: {MANIFEST_NAME}: manifest is {size} bytes, over the "
+                    f"{MAX_MANIFEST_BYTES} limit", step=step, path=MANIFEST_NAME)
             data = self._storage.read_bytes(path)
         except StorageError as e:
             if is_not_found(e):
@@ -446,6 +458,8 @@ class CheckpointManager:
             raise
         try:
             return decode_manifest(data, expected_step=step)
+        except UnsafePathError as e:
+            raise UnsafeCheckpointError(f"step {step}: {MANIFEST_NAME}: {e}", step=step) from e
         except ManifestError as e:
             raise CorruptCheckpointError(f"step {step}: {MANIFEST_NAME}: {e}", step=step,
                                          path=MANIFEST_NAME) from e
@@ -453,8 +467,20 @@ class CheckpointManager:
     def _read_metadata(self, step: int, manifest: Manifest) -> Metadata:
         name = manifest.metadata_file
         entry = manifest.file(name)
+        path = join(step_dir_name(step), name)
+        if self._storage.is_symlink(path):
+            raise UnsafeCheckpointError(
+                f"step {step}: {name} is a symbolic link; ckptmgr never follows links out of the "
+                "step directory", step=step)
         try:
-            data = self._storage.read_bytes(join(step_dir_name(step), name))
+            # Sized first: a file larger than the manifest says (or than any metadata) is refused
+            # without reading it.
+            size = self._storage.size(path)
+            if size != entry.size or size > MAX_METADATA_BYTES:
+                raise CorruptCheckpointError(
+                    f"step {step}: {name}: size is {size} bytes, the manifest says {entry.size}",
+                    step=step, path=name)
+            data = self._storage.read_bytes(path)
         except StorageError as e:
             if is_not_found(e):
                 raise CorruptCheckpointError(f"step {step}: {name}: file is missing", step=step,
@@ -466,6 +492,8 @@ class CheckpointManager:
                 path=name)
         try:
             return decode_metadata(data)
+        except UnsafePathError as e:
+            raise UnsafeCheckpointError(f"step {step}: {name}: {e}", step=step) from e
         except ManifestError as e:
             raise CorruptCheckpointError(f"step {step}: {name}: {e}", step=step, path=name) from e
 
@@ -718,8 +746,9 @@ class CheckpointManager:
         keep_token = plan.attempt
         try:
             for name in self._storage.list_files(plan.step_dir):
+                # data/metadata of other attempts, and manifests half-written by a crash
                 if name != MANIFEST_NAME and keep_token not in name and (
-                        name.startswith(("data-", "metadata-"))):
+                        name.startswith(("data-", "metadata-", f"{MANIFEST_NAME}.tmp-"))):
                     self._storage.remove(join(plan.step_dir, name))
         except StorageError as e:
             log.warning("could not remove files replaced by overwrite of step %d: %s",

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ckptmgr.layout import check_relpath
+from ckptmgr.layout import check_file_name
 
 __all__ = [
     "FORMAT_NAME",
@@ -23,6 +23,7 @@ __all__ = [
     "FileEntry",
     "Manifest",
     "ManifestError",
+    "UnsafePathError",
     "check_json_depth",
     "decode_manifest",
     "encode_manifest",
@@ -38,6 +39,11 @@ _CHECKSUM_RE = re.compile(r"xxh3_64:[0-9a-f]{16}")
 
 class ManifestError(ValueError):
     """The manifest bytes are not a valid ckptmgr manifest (the caller wraps it with the step)."""
+
+
+class UnsafePathError(ManifestError):
+    """A path in a manifest or in metadata would leave the step directory (the caller raises
+    UnsafeCheckpointError, not CorruptCheckpointError)."""
 
 
 @dataclass(frozen=True)
@@ -189,18 +195,18 @@ def decode_manifest(data: bytes, *, expected_step: int | None = None) -> Manifes
     if byteorder not in ("little", "big"):
         raise ManifestError(f"byteorder must be 'little' or 'big', got {byteorder!r}")
     try:
-        metadata_file = check_relpath(_req(doc, "metadata_file", str))
+        metadata_file = check_file_name(_req(doc, "metadata_file", str))
     except ValueError as e:
-        raise ManifestError(f"metadata_file escapes the step directory: {e}") from e
+        raise UnsafePathError(f"metadata_file escapes the step directory: {e}") from e
     files: list[FileEntry] = []
     seen: set[str] = set()
     for i, entry in enumerate(_req(doc, "files", list)):
         if not isinstance(entry, dict):
             raise ManifestError(f"files[{i}] is not an object")
         try:
-            path = check_relpath(_req(entry, "path", str))
+            path = check_file_name(_req(entry, "path", str))
         except ValueError as e:
-            raise ManifestError(f"files[{i}] escapes the step directory: {e}") from e
+            raise UnsafePathError(f"files[{i}] escapes the step directory: {e}") from e
         if path in seen:
             raise ManifestError(f"files[{i}] lists {path!r} twice")
         seen.add(path)

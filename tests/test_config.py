@@ -39,6 +39,7 @@ DEFAULTS: dict[str, Any] = {
     "overwrite": False, "backpressure": "block", "verify": True,
     "preemption_signals": (signal.SIGTERM,), "preemption_grace_s": 30.0,
     "exit_on_preemption": True,
+    "preemption_file": None,
 }
 
 # Constructor argument -> YAML path, written out here independently of the module's own table.

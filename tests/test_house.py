@@ -54,16 +54,17 @@ def test_error_tree() -> None:
 
 # Lower numbers are lower layers; a module may import only its own layer or lower ones.
 LAYERS = {
-    "errors": 0, "_version": 0,
+    "errors": 0, "_version": 0, "_redact": 0,
     "layout": 1, "manifest": 1, "policy": 1, "config": 1, "_values": 1, "info": 1,
     "storage": 2,
     "dcp": 3, "optim": 3,
     "_dist": 4,
     "_async": 5, "preemption": 5,
-    "manager": 6,
+    "manager": 6, "tools": 6,
     "cli": 7, "__init__": 8, "__main__": 8,
 }
-PURE = {"errors", "_version", "layout", "manifest", "policy", "config", "_values", "info"}
+PURE = {"errors", "_redact", "_version", "layout", "manifest", "policy", "config", "_values",
+        "info"}
 
 
 def _layer_of(parts: list[str]) -> tuple[str, int]:

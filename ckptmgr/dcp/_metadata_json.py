@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptmgr.layout import check_relpath
-from ckptmgr.manifest import ManifestError, check_json_depth
+from ckptmgr.layout import check_file_name
+from ckptmgr.manifest import ManifestError, UnsafePathError, check_json_depth
 
 __all__ = ["ENCODINGS", "ItemLocation", "decode_metadata", "dtype_name", "encode_metadata"]
 
@@ -144,9 +144,10 @@ def decode_metadata(data: bytes) -> Metadata:
         off = s.get("offset")
         idx = MetadataIndex(fqn, None if off is None else _ints(off, f"{fqn} offset"))
         try:
-            file = check_relpath(s.get("file"))  # type: ignore[arg-type]
+            file = check_file_name(s.get("file"))  # type: ignore[arg-type]
         except ValueError as e:
-            raise ManifestError(f"storage path of {fqn!r} escapes the step directory: {e}") from e
+            raise UnsafePathError(
+                f"storage path of {fqn!r} escapes the step directory: {e}") from e
         pos, length = _ints([s.get("pos"), s.get("length")], f"{fqn} position")
         if s.get("enc") not in ENCODINGS or not isinstance(s.get("checksum"), str):
             raise ManifestError(f"bad encoding or checksum for {fqn!r}")

@@ -5,15 +5,23 @@ Call order (DCP's, per restore):
    ``set_up_storage_reader``, ``prepare_local_plan``
 2) (coordinator) ``prepare_global_plan``
 3) (all ranks) ``read_data``: check the size of every file the plan touches before reading any
-   bytes, then read each stored item once (into the destination when it is a whole contiguous CPU
-   tensor of the same dtype, else into a buffer that is narrowed and copied), verify its checksum,
-   and decode Python values from tagged JSON (pickle only when ``trusted``).
+   bytes; decode Python values from tagged JSON (pickle only when ``trusted``); then, on the
+   calling thread, resolve every tensor item's destination: the tensor itself when it is a whole
+   contiguous CPU tensor of the stored dtype, else a buffer that is narrowed and copied afterwards.
+   The reads, sorted by file and offset, are cut into ``num_threads`` runs of about equal bytes;
+   each run's thread reads adjacent items with one ``preadv`` per 16 MiB (scattering into the
+   destinations) and checksums each piece while it is in cache. Destinations are committed to the
+   planner on the calling thread, in order, once every read of a window succeeded. Buffered
+   destinations are bounded: at most 512 MiB of buffers are held at once (a window).
 """
 
 from __future__ import annotations
 
 import io
+import threading
 from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,7 +31,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptmgr._values import decode_value
-from ckptmgr.dcp._bytes import checksum, tensor_memoryview
+from ckptmgr.dcp._bytes import Hasher, checksum, tensor_memoryview
 from ckptmgr.dcp._metadata_json import ItemLocation
 from ckptmgr.dcp.planner import CkptLoadPlanner
 from ckptmgr.errors import CorruptCheckpointError, UnsafeCheckpointError
@@ -31,15 +39,93 @@ from ckptmgr.layout import join
 from ckptmgr.manifest import Manifest
 from ckptmgr.storage import Storage
 
-__all__ = ["CkptStorageReader"]
+__all__ = ["DEFAULT_NUM_THREADS", "CkptStorageReader"]
+
+DEFAULT_NUM_THREADS = 2
+"""Read streams per rank when the caller does not choose: two keep the disk busy while the other
+thread checksums (measured in docs/performance.md)."""
+_BATCH = 16 << 20  # bytes per vectored read
+_BATCH_ITEMS = 256
+_MIN_STREAM_BYTES = 64 << 20
+_MAX_BUFFERED = 512 << 20  # bytes of staging buffers held at once for non-direct destinations
+
+
+@dataclass
+class _TensorRead:
+    """One stored chunk and where its bytes go."""
+
+    idx: MetadataIndex
+    loc: ItemLocation
+    items: list[ReadItem]
+    dest: torch.Tensor  # the destination itself (direct) or a buffer of the stored chunk
+    direct: bool
+    ok: bool = True
+    hasher: Hasher | None = field(default=None, repr=False)
+
+
+class _RangeReader:
+    """Vectored range reads of one file: ``LocalReader`` when the storage has one, else ranged
+    reads of the whole span scattered into the buffers (one request per span on object stores)."""
+
+    def __init__(self, storage: Storage, path: str) -> None:
+        self._storage = storage
+        self._path = path
+        opener: Callable[[str], Any] | None = getattr(storage, "open_reader", None)
+        self._native = opener(path) if opener is not None else None
+
+    def readv_into(self, offset: int, bufs: Sequence[memoryview]) -> None:
+        if self._native is not None:
+            self._native.readv_into(offset, bufs)
+        elif len(bufs) == 1:
+            self._storage.read_into(self._path, offset, bufs[0])
+        else:
+            data = memoryview(self._storage.read_bytes(self._path, offset,
+                                                       sum(len(b) for b in bufs)))
+            pos = 0
+            for b in bufs:
+                b[:] = data[pos:pos + len(b)]
+                pos += len(b)
+
+    def close(self) -> None:
+        if self._native is not None:
+            self._native.close()
+
+
+class _Stopped(Exception):
+    """Another read stream failed: this one stops early."""
+
+
+def _split(reads: list[_TensorRead], num: int) -> list[list[_TensorRead]]:
+    total = sum(r.loc.length for r in reads)
+    num = max(1, min(num, len(reads), total // _MIN_STREAM_BYTES))
+    runs: list[list[_TensorRead]] = [[]]
+    acc = 0
+    for r in reads:
+        if len(runs) < num and runs[-1] and acc >= total * len(runs) / num:
+            runs.append([])
+        runs[-1].append(r)
+        acc += r.loc.length
+    return runs
 
 
 class CkptStorageReader(StorageReader):
     """Reads one committed step for one rank."""
 
     def __init__(self, storage: Storage, step_dir: str, manifest: Manifest, metadata: Metadata,
-                 *, verify: bool = True, trusted: bool = False) -> None:
+                 *, verify: bool = True, trusted: bool = False,
+                 num_threads: int | None = None) -> None:
+        """
+        Args:
+            storage: where the step is.
+            step_dir: the step's directory under the storage root.
+            manifest: the step's manifest (already read and checked).
+            metadata: the step's metadata (already read and checked).
+            verify: check every item's checksum.
+            trusted: allow values stored with pickle.
+            num_threads: read streams per rank; None: :data:`DEFAULT_NUM_THREADS`.
+        """
         super().__init__()
+        self.num_threads = max(1, num_threads or DEFAULT_NUM_THREADS)
         self.storage = storage
         self.step_dir = step_dir
         self.manifest = manifest
@@ -108,42 +194,37 @@ class CkptStorageReader(StorageReader):
             groups[ri.storage_index].append(ri)
         located = {idx: self._location(idx) for idx in groups}
         self._check_sizes({loc.file for loc in located.values()})
+        for idx, loc in located.items():
+            # Checked before allocating a buffer of loc.length bytes or reading anything.
+            size = self.manifest.file(loc.file).size
+            if loc.offset + loc.length > size:
+                raise self._corrupt(
+                    f"bytes [{loc.offset}, {loc.offset + loc.length}) of {idx.fqn!r} lie beyond "
+                    f"the end of the file ({size} bytes)", loc.file)
         order = sorted(groups, key=lambda i: (located[i].file, located[i].offset))
+        window: list[_TensorRead] = []
+        buffered = 0
         for idx in order:
             loc, items = located[idx], groups[idx]
             if items[0].type == LoadItemType.BYTE_IO:
                 self._read_value(loc, items, planner)
-            else:
-                self._read_tensor(idx, loc, items, planner)
+                continue
+            read = self._plan_tensor(idx, loc, items, planner)
+            if not read.direct:
+                if buffered + loc.length > _MAX_BUFFERED and window:
+                    self._run_window(window, planner)
+                    window, buffered = [], 0
+                buffered += loc.length
+            window.append(read)
+        if window:
+            self._run_window(window, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_value(self, loc: ItemLocation, items: list[ReadItem], planner: LoadPlanner) -> None:
-        fqn = items[0].storage_index.fqn
-        if loc.enc == "pickle" and not self.trusted:
-            raise UnsafeCheckpointError(
-                f"{fqn!r} was stored with pickle; pass trusted=True to restore it only if you "
-                "trust who wrote this checkpoint", step=self.manifest.step)
-        buf = bytearray(loc.length)
-        self._read(loc, memoryview(buf))
-        self._verify(loc, memoryview(buf), fqn)
-        value: Any
-        if loc.enc == "json":
-            try:
-                value = decode_value(bytes(buf))
-            except ValueError as e:
-                raise self._corrupt(f"value of {fqn!r} does not decode: {e}", loc.file) from e
-        else:
-            value = torch.load(io.BytesIO(buf), weights_only=False)
-        for ri in items:
-            if isinstance(planner, CkptLoadPlanner):
-                planner.load_value(ri, value)
-            else:
-                raise UnsafeCheckpointError("CkptStorageReader needs a CkptLoadPlanner")
-
-    def _read_tensor(self, idx: MetadataIndex, loc: ItemLocation, items: list[ReadItem],
-                     planner: LoadPlanner) -> None:
+    def _plan_tensor(self, idx: MetadataIndex, loc: ItemLocation, items: list[ReadItem],
+                     planner: LoadPlanner) -> _TensorRead:
+        """(calling thread) Check the stored chunk and choose its destination."""
         fqn = idx.fqn
         md = self.metadata.state_dict_metadata.get(fqn)
         if not isinstance(md, TensorStorageMetadata):
@@ -169,19 +250,129 @@ class CkptStorageReader(StorageReader):
             target = planner.resolve_tensor(items[0]).detach()
             if (target.device.type == "cpu" and target.dtype == dtype
                     and target.is_contiguous() and target.numel() == numel):
-                view = tensor_memoryview(target)
-                self._read(loc, view)
-                self._verify(loc, view, fqn)
-                planner.commit_tensor(items[0], target)
+                return _TensorRead(idx, loc, items, target, direct=True)
+        return _TensorRead(idx, loc, items, torch.empty(tuple(chunk.sizes), dtype=dtype),
+                           direct=False)
+
+    def _run_window(self, reads: list[_TensorRead], planner: LoadPlanner) -> None:
+        """Read ``reads`` (sorted by file and offset) on up to ``num_threads`` streams, then
+        check and commit them on the calling thread, in order."""
+        runs = _split(reads, self.num_threads)
+        stop = threading.Event()
+        errors: list[BaseException | None] = [None] * len(runs)
+
+        def run(i: int) -> None:
+            try:
+                self._read_run(runs[i], stop)
+            except BaseException as e:
+                stop.set()
+                errors[i] = e
+
+        if len(runs) == 1:
+            run(0)
+        else:
+            threads = [threading.Thread(target=run, args=(i,), name=f"ckptmgr-read-{i}",
+                                        daemon=True) for i in range(len(runs))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        failed = [e for e in errors if e is not None]
+        if failed:
+            raise next((e for e in failed if not isinstance(e, _Stopped)), failed[0])
+        for r in reads:
+            if not r.ok:
+                raise self._corrupt(f"checksum mismatch in the bytes of {r.idx.fqn!r}", r.loc.file)
+        for r in reads:
+            self.bytes_read += r.loc.length
+            if r.direct:
+                planner.commit_tensor(r.items[0], r.dest)
+                continue
+            for ri in r.items:
+                src = r.dest
+                for dim, (off, length) in enumerate(
+                        zip(ri.storage_offsets, ri.lengths, strict=True)):
+                    src = src.narrow(dim, off, length)
+                target = planner.resolve_tensor(ri).detach()
+                target.copy_(src)
+                planner.commit_tensor(ri, target)
+
+    def _read_run(self, reads: list[_TensorRead], stop: threading.Event) -> None:
+        """(stream thread) Read one run: adjacent items of a file in one vectored read per
+        _BATCH bytes; each piece is checksummed right after it lands."""
+        readers: dict[str, _RangeReader] = {}
+        # (read, view of its destination) pieces of the batch being built; they are adjacent.
+        batch: list[tuple[_TensorRead, memoryview, bool]] = []
+        batch_file = ""
+        batch_start = batch_end = 0
+
+        def flush() -> None:
+            nonlocal batch
+            if not batch:
                 return
-        buf = torch.empty(tuple(chunk.sizes), dtype=dtype)
-        view = tensor_memoryview(buf)
-        self._read(loc, view)
-        self._verify(loc, view, fqn)
+            if stop.is_set():
+                raise _Stopped
+            reader = readers.get(batch_file)
+            if reader is None:
+                reader = readers[batch_file] = _RangeReader(
+                    self.storage, join(self.step_dir, batch_file))
+            reader.readv_into(batch_start, [view for _, view, _ in batch])
+            if self.verify:
+                for r, view, last in batch:
+                    if r.hasher is None:
+                        r.hasher = Hasher()
+                    r.hasher.update(view)
+                    if last:
+                        r.ok = r.hasher.value() == r.loc.checksum
+                        r.hasher = None
+            batch = []
+
+        try:
+            for r in reads:
+                mv = tensor_memoryview(r.dest)
+                n = len(mv)
+                if batch and (r.loc.file != batch_file or r.loc.offset != batch_end
+                              or len(batch) >= _BATCH_ITEMS):
+                    flush()
+                if not batch:
+                    batch_file, batch_start = r.loc.file, r.loc.offset
+                    batch_end = batch_start
+                if n == 0:
+                    r.ok = not self.verify or checksum(b"") == r.loc.checksum
+                    continue
+                pos = 0
+                while pos < n:
+                    take = min(n - pos, _BATCH - (batch_end - batch_start))
+                    batch.append((r, mv[pos:pos + take], pos + take == n))
+                    pos += take
+                    batch_end += take
+                    if batch_end - batch_start >= _BATCH:
+                        flush()
+                        batch_file, batch_start = r.loc.file, batch_end
+            flush()
+        finally:
+            for reader in readers.values():
+                reader.close()
+
+    def _read_value(self, loc: ItemLocation, items: list[ReadItem], planner: LoadPlanner) -> None:
+        fqn = items[0].storage_index.fqn
+        if loc.enc == "pickle" and not self.trusted:
+            raise UnsafeCheckpointError(
+                f"{fqn!r} was stored with pickle; pass trusted=True to restore it only if you "
+                "trust who wrote this checkpoint", step=self.manifest.step)
+        buf = bytearray(loc.length)
+        self._read(loc, memoryview(buf))
+        self._verify(loc, memoryview(buf), fqn)
+        value: Any
+        if loc.enc == "json":
+            try:
+                value = decode_value(bytes(buf))
+            except ValueError as e:
+                raise self._corrupt(f"value of {fqn!r} does not decode: {e}", loc.file) from e
+        else:
+            value = torch.load(io.BytesIO(buf), weights_only=False)
         for ri in items:
-            src = buf
-            for dim, (off, length) in enumerate(zip(ri.storage_offsets, ri.lengths, strict=True)):
-                src = src.narrow(dim, off, length)
-            target = planner.resolve_tensor(ri).detach()
-            target.copy_(src)
-            planner.commit_tensor(ri, target)
+            if isinstance(planner, CkptLoadPlanner):
+                planner.load_value(ri, value)
+            else:
+                raise UnsafeCheckpointError("CkptStorageReader needs a CkptLoadPlanner")

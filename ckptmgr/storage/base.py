@@ -7,23 +7,13 @@ exception as ``__cause__``; nothing else escapes.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from ckptmgr._redact import redact_url
 from ckptmgr.errors import StorageError
 
 __all__ = ["RootEntry", "Storage", "StorageWriter", "is_not_found", "redact_url"]
-
-_USERINFO_RE = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@]*@")
-_QUERY_SECRET_RE = re.compile(r"([?&][^=&#]*(?:key|secret|token|password|sig|signature|credential)"
-                              r"[^=&#]*=)[^&#]*", re.IGNORECASE)
-
-
-def redact_url(url: str) -> str:
-    """``url`` without a ``user:pass@`` part or secret-looking query values."""
-    url = _USERINFO_RE.sub(r"\1***@", url)
-    return _QUERY_SECRET_RE.sub(r"\1***", url)
 
 
 def is_not_found(err: BaseException) -> bool:
