@@ -546,8 +546,9 @@ class CheckpointManager:
         try:
             m = self._read_manifest(step)
         except CkptmgrError as e:
-            log.warning("step %d: unreadable manifest (%s); retention treats it as oldest", step, e)
-            return StepRecord(step=step, time=0.0)
+            # NaN: no time-based policy keeps or anchors on it; step-based ones still apply.
+            log.warning("step %d: unreadable manifest (%s)", step, e)
+            return StepRecord(step=step, time=float("nan"))
         return StepRecord(step=step, time=m.unix_time, metrics=dict(m.metrics))
 
     def _records_for_policy(self) -> list[StepRecord]:
@@ -769,6 +770,15 @@ class CheckpointManager:
         log.info("retention deleted step %d from %s", step, self._storage.url)
         return True
 
+    def _only_our_files(self, dirname: str) -> bool:
+        """Whether every file in ``dirname`` has a name ckptmgr writes (else it is not ours)."""
+        names = self._storage.list_files(dirname)
+        ours = all(n.startswith(("data-", "metadata-", f"{MANIFEST_NAME}.tmp-")) for n in names)
+        if not ours:
+            log.warning("%s/%s has no manifest but holds files ckptmgr did not write; leaving it",
+                        self._storage.url, dirname)
+        return ours
+
     def _remove_leftovers(self, plan: CommitPlan, newest: int) -> None:
         """Remove crashed saves' leftovers that are provably ours and not in flight: staging
         directories and uncommitted step directories older than the newest committed step."""
@@ -779,7 +789,8 @@ class CheckpointManager:
                 old_staging = (staged is not None and staged[1] != plan.attempt
                                and staged[0] < newest)
                 old_uncommitted = (step is not None and not entry.has_marker and step < newest
-                                   and not entry.is_symlink and step not in self._records)
+                                   and not entry.is_symlink and step not in self._records
+                                   and self._only_our_files(entry.name))
                 if not (old_staging or old_uncommitted):
                     continue
                 log.info("removing leftover of a crashed save: %s/%s", self._storage.url,
