@@ -46,7 +46,10 @@ def make_group(process_group: Any) -> Any:
     ranks = dist.get_process_group_ranks(process_group or dist.group.WORLD)
     if dist.get_rank() not in ranks:
         raise ConfigError(f"this rank ({dist.get_rank()}) is not a member of process_group")
-    if len(ranks) == 1 and dist.get_world_size() == 1:
+    if len(ranks) == dist.get_world_size():
+        # Every rank calls this, so use the globally counted group names: locally synchronized
+        # groups are named from the number of live groups, and a manager created after another
+        # was closed would reuse a name whose stale store keys make a late rank time out.
         return dist.new_group(ranks=ranks, backend="gloo", timeout=collective_timeout())
     return dist.new_group(ranks=ranks, backend="gloo", timeout=collective_timeout(),
                           use_local_synchronization=True)

@@ -31,6 +31,7 @@ from ckptmgr.dcp._compat import dcp_load, dcp_save
 from ckptmgr.dcp._metadata_json import MAX_METADATA_BYTES, ItemLocation, decode_metadata
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
 from ckptmgr.dcp.reader import CkptStorageReader
+from ckptmgr.dcp.report import compatibility_report, describe_mesh
 from ckptmgr.dcp.state import FlatState, flatten_state
 from ckptmgr.dcp.writer import CkptStorageWriter, CommitPlan
 from ckptmgr.errors import (
@@ -507,8 +508,6 @@ class CheckpointManager:
                                f"this host is {sys.byteorder}-endian", step=step)
         metadata = self._read_metadata(step, manifest)
         fs = flatten_state(state_dict)
-        from ckptmgr.dcp.report import compatibility_report
-
         pickle_keys = {idx.fqn for idx, loc in (metadata.storage_data or {}).items()
                        if isinstance(loc, ItemLocation) and loc.enc == "pickle"}
         report = compatibility_report(
@@ -606,7 +605,7 @@ class CheckpointManager:
         return fs
 
     def _plan_commit(self, step: int, metrics: dict[str, float],
-                     metadata: dict[str, Any]) -> CommitPlan:
+                     metadata: dict[str, Any], mesh: Any = None) -> CommitPlan:
         """(coordinator) Decide where this attempt writes."""
         committed = step in self._records
         if committed and not self.config.overwrite:
@@ -627,7 +626,7 @@ class CheckpointManager:
         self._storage.makedirs(write_dir)
         return CommitPlan(step=step, attempt=attempt, write_dir=write_dir, step_dir=sdir,
                           staged=staged, overwrite=committed, world_size=self._comm.world_size,
-                          metrics=metrics, metadata=metadata)
+                          metrics=metrics, metadata=metadata, mesh=mesh)
 
     def _agree_preemption(self) -> int:
         """(collective on the caller group) The preemption signal any rank saw, else 0."""
@@ -664,7 +663,8 @@ class CheckpointManager:
                  metadata: dict[str, Any], trusted: bool) -> tuple[FlatState, CommitPlan]:
         """(caller thread, collective) Flatten and check the state; the coordinator plans."""
         fs = self._comm.agree(lambda: self._prepare_save(state_dict, trusted), token=step)
-        plan = self._comm.on_coordinator(lambda: self._plan_commit(step, metrics, metadata))
+        mesh = describe_mesh(fs.flat)
+        plan = self._comm.on_coordinator(lambda: self._plan_commit(step, metrics, metadata, mesh))
         return fs, plan
 
     def _write_and_commit(self, plan: CommitPlan, flat: dict[str, Any], trusted: bool,
