@@ -15,7 +15,7 @@ import fsspec
 
 from ckptmgr.errors import BackendNotInstalledError, ConfigError, StorageError
 from ckptmgr.storage.base import RootEntry, Storage, StorageWriter, is_not_found, redact_url
-from ckptmgr.storage.fsspec_storage import FsspecStorage
+from ckptmgr.storage.fsspec_storage import FsspecStorage, prepare_url
 from ckptmgr.storage.local import LocalStorage
 
 __all__ = [
@@ -78,6 +78,9 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> 
         hint = f"pip install 'ckptmgr[{extra}]'" if extra else f"install the package: {e}"
         raise BackendNotInstalledError(
             f"no fsspec backend installed for {scheme}:// ({shown}); {hint}") from e
+    # Credentials (options, URL user:password@, environment) are registered for redaction; an
+    # s3 URL's key:secret@ moves into the options.
+    url, opts = prepare_url(scheme, url, opts)
     try:
         fs, root = fsspec.core.url_to_fs(url, **opts)
     except ImportError as e:
