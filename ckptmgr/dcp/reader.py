@@ -9,7 +9,7 @@ Call order (DCP's, per restore):
    calling thread, resolve every tensor item's destination: the tensor itself when it is a whole
    contiguous CPU tensor of the stored dtype, else a buffer that is narrowed and copied afterwards.
    The reads, sorted by file and offset, are cut into ``num_threads`` runs of about equal bytes;
-   each run's thread reads adjacent items with one ``preadv`` per 16 MiB (scattering into the
+   each run's thread reads adjacent items with one ``preadv`` per 4 MiB (scattering into the
    destinations) and checksums each piece while it is in cache. Destinations are committed to the
    planner on the calling thread, in order, once every read of a window succeeded. Buffered
    destinations are bounded: at most 512 MiB of buffers are held at once (a window).
@@ -44,7 +44,7 @@ __all__ = ["DEFAULT_NUM_THREADS", "CkptStorageReader"]
 DEFAULT_NUM_THREADS = 2
 """Read streams per rank when the caller does not choose: two keep the disk busy while the other
 thread checksums (measured in docs/performance.md)."""
-_BATCH = 16 << 20  # bytes per vectored read
+_BATCH = 4 << 20  # bytes per vectored read (2 streams x 4 MiB kept the disk busiest here)
 _BATCH_ITEMS = 256
 _MIN_STREAM_BYTES = 64 << 20
 _MAX_BUFFERED = 512 << 20  # bytes of staging buffers held at once for non-direct destinations

@@ -1,15 +1,27 @@
-"""Our DCP ``StorageWriter``: raw tensor bytes in one sequential file per rank, JSON metadata, and
-the commit protocol of DESIGN.md section 5.
+"""Our DCP ``StorageWriter``: raw tensor bytes in large sequential writes, JSON metadata, and the
+commit protocol of DESIGN.md section 5.
 
 Call order (DCP's, per save):
 1) (all ranks) ``set_up_storage_writer``, ``prepare_local_plan``
 2) (coordinator) ``prepare_global_plan``
-3) (all ranks) ``write_data``: write this rank's items to ``data-<attempt>-r<rank>-000.bin`` in the
-   write directory, checksum each item and the file, fsync, and report locations in the results.
+3) (all ranks) ``write_data``: split this rank's items into ``num_threads`` runs of about equal
+   bytes (one stream each, only when every stream gets at least 256 MiB), and write each run to
+   ``data-<attempt>-r<rank>-<index>.bin`` in the write directory: Python values are encoded first
+   (on the calling thread, so an unsafe value fails before any byte is written); tensors are
+   resolved on the stream's thread, small ones coalesced into one ``writev`` per 8 MiB, large ones
+   hashed and written in 4 MiB pieces while the piece is in cache. Each item and each file get an
+   xxh3-64 checksum, computed in that same pass. The files are fsynced; locations go in the results.
 4) (coordinator, after every rank's ``write_data`` returned) ``finish``: write the metadata JSON,
    then the manifest, then make it visible: rename the staging directory into place (POSIX), or
    write the manifest object last (object stores, overwrite). Until that last step nothing of the
    new attempt is visible to ``all_steps`` or ``restore``.
+
+CPU share: by default one stream per rank, so a background save uses at most one core for its
+checksums and copies (the local storage writes with direct I/O from a second, mostly sleeping
+thread), and no kernel time on page-cache writeback. Stream threads are ckptmgr's own and can run
+at a raised nice value (``io_nice``); the default is 0 because a reniced writer, starved by a busy
+training loop, took 5x longer and cost the loop as much compute (docs/performance.md). The calling
+thread is never reniced.
 """
 
 from __future__ import annotations
@@ -17,29 +29,72 @@ from __future__ import annotations
 import io
 import logging
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptmgr._values import NotRepresentableError, encode_value
 from ckptmgr._version import __version__
-from ckptmgr.dcp._bytes import Hasher, checksum, tensor_memoryview
+from ckptmgr.dcp._bytes import Hasher, checksum, lower_thread_priority, tensor_memoryview
 from ckptmgr.dcp._metadata_json import ItemLocation, encode_metadata
 from ckptmgr.errors import UnsafeCheckpointError
 from ckptmgr.layout import MANIFEST_NAME, data_file_name, join, metadata_file_name
 from ckptmgr.manifest import FileEntry, Manifest, encode_manifest, utc_now_iso
 from ckptmgr.storage import Storage
 
-__all__ = ["CkptStorageWriter", "CommitPlan"]
+__all__ = [
+    "DEFAULT_IO_NICE", "DEFAULT_NUM_THREADS", "CkptStorageWriter", "CommitPlan", "split_runs",
+]
 
 log = logging.getLogger("ckptmgr")
 _FILE_MARK = "\x00ckptmgr-file:"
+
+# Items up to _SMALL bytes are coalesced into one vectored write per _BATCH bytes (or _BATCH_ITEMS
+# items); larger ones are hashed and written in _PIECE pieces, so the write copies from cache.
+_SMALL = 1 << 20
+_BATCH = 8 << 20
+_BATCH_ITEMS = 256
+_PIECE = 4 << 20
+# A second stream only pays off with enough bytes for each (measured in docs/performance.md).
+_MIN_STREAM_BYTES = 256 << 20
+DEFAULT_NUM_THREADS = 1
+"""Streams per rank when the caller does not choose: one saturates the local disk measured here."""
+DEFAULT_IO_NICE = 0
+"""Nice increment of the stream threads when the caller does not choose."""
+
+
+class _Stopped(Exception):
+    """Another stream failed: this one stops early (its error is not the one to report)."""
+
+
+def split_runs(sizes: Sequence[int], num: int, min_bytes: int | None = None) -> list[int]:
+    """Cut positions splitting ``sizes`` (kept in order) into at most ``num`` runs of about equal
+    bytes, each holding about ``min_bytes`` or more (default 256 MiB). Returns the run starts.
+    """
+    if min_bytes is None:
+        min_bytes = _MIN_STREAM_BYTES
+    total = sum(sizes)
+    num = max(1, min(num, len(sizes), total // max(1, min_bytes)))
+    starts = [0]
+    acc = 0
+    for i, n in enumerate(sizes):
+        if len(starts) < num and acc >= total * len(starts) / num and i > starts[-1]:
+            starts.append(i)
+        acc += n
+    return starts
+
+
+def _item_size(item: WriteItem, encoded: Mapping[MetadataIndex, tuple[bytes, str]]) -> int:
+    if item.type == WriteItemType.BYTE_IO:
+        return len(encoded[item.index][0])
+    return item.tensor_storage_size() or 0
 
 
 @dataclass(frozen=True)
@@ -62,12 +117,26 @@ class CkptStorageWriter(StorageWriter):
     """Writes one save attempt of one rank; the coordinator's instance also commits it."""
 
     def __init__(self, storage: Storage, plan: CommitPlan, rank: int, *,
-                 trusted: bool = False) -> None:
+                 trusted: bool = False, num_threads: int | None = None,
+                 io_nice: int | None = None) -> None:
+        """
+        Args:
+            storage: where the step is written.
+            plan: the coordinator's decision for this attempt (same on every rank).
+            rank: this rank.
+            trusted: allow values that need pickle.
+            num_threads: streams (threads, files) per rank; None: :data:`DEFAULT_NUM_THREADS`.
+            io_nice: raise the nice value of the stream threads by this much (0: leave it;
+                None: :data:`DEFAULT_IO_NICE`); meant for background saves, so that training
+                keeps its cores.
+        """
         super().__init__()
         self.storage = storage
         self.plan = plan
         self.rank = rank
         self.trusted = trusted
+        self.num_threads = max(1, num_threads or DEFAULT_NUM_THREADS)
+        self.io_nice = DEFAULT_IO_NICE if io_nice is None else io_nice
         self.is_coordinator = False
         self.manifest: Manifest | None = None
         self.bytes_written = 0
@@ -104,48 +173,128 @@ class CkptStorageWriter(StorageWriter):
         return buf.getvalue(), "pickle"
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        results: list[WriteResult] = []
         fut: Future[list[WriteResult]] = Future()
         if not plan.items:
-            fut.set_result(results)
+            fut.set_result([])
             return fut
-        name = data_file_name(self.plan.attempt, self.rank)
-        path = join(self.plan.write_dir, name)
-        writer = self.storage.open_writer(path)
-        hasher = Hasher()
+        encoded: dict[MetadataIndex, tuple[bytes, str]] = {}
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                obj = planner.lookup_object(item.index)  # type: ignore[attr-defined]
+                encoded[item.index] = self._encode_object(item.index.fqn, obj)
+        items = list(plan.items)
+        starts = split_runs([_item_size(i, encoded) for i in items], self.num_threads)
+        runs = [items[a:b] for a, b in zip(starts, [*starts[1:], len(items)], strict=True)]
+        stop = threading.Event()
+        outcome: list[tuple[list[WriteResult], FileEntry] | BaseException | None] = (
+            [None] * len(runs))
+
+        def run(index: int) -> None:
+            try:
+                if threaded:
+                    lower_thread_priority(self.io_nice)
+                outcome[index] = self._write_stream(index, runs[index], planner, encoded, stop)
+            except BaseException as e:
+                stop.set()
+                outcome[index] = e
+
+        threaded = len(runs) > 1 or self.io_nice > 0
+        if threaded:
+            threads = [threading.Thread(target=run, args=(i,), name=f"ckptmgr-write-{i}",
+                                        daemon=True) for i in range(len(runs))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            run(0)
+        errors = [o for o in outcome if isinstance(o, BaseException)]
+        if errors:
+            first = next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
+            raise first
+        results: list[WriteResult] = []
+        self.bytes_written = 0
+        for index, o in enumerate(outcome):
+            assert isinstance(o, tuple), "stream finished without an outcome"
+            stream_results, entry = o
+            results.extend(stream_results)
+            self.bytes_written += entry.size
+            results.append(WriteResult(
+                index=MetadataIndex(f"{_FILE_MARK}{self.rank}:{index}"), size_in_bytes=entry.size,
+                storage_data=(self.rank, entry)))
+        fut.set_result(results)
+        return fut
+
+    def _write_stream(self, index: int, items: list[WriteItem], planner: SavePlanner,
+                      encoded: Mapping[MetadataIndex, tuple[bytes, str]],
+                      stop: threading.Event) -> tuple[list[WriteResult], FileEntry]:
+        """Write ``items`` in order to data file ``index``; returns their results and the file."""
+        name = data_file_name(self.plan.attempt, self.rank, index)
+        writer = self.storage.open_writer(join(self.plan.write_dir, name))
+        writev = getattr(writer, "writev", None)
+        file_hash = Hasher()
+        results: list[WriteResult] = []
+        pending: list[memoryview] = []
+        alive: list[Any] = []  # owners of the memory that ``pending`` views
+        pending_bytes = 0
         pos = 0
+
+        def flush() -> None:
+            nonlocal pending_bytes
+            if not pending:
+                return
+            if writev is not None:
+                writev(pending)
+            else:
+                writer.write(pending[0] if len(pending) == 1 else b"".join(pending))
+            pending.clear()
+            alive.clear()
+            pending_bytes = 0
+
         try:
-            for item in plan.items:
-                keep: Any
+            for item in items:
+                if stop.is_set():
+                    raise _Stopped
+                owner: Any
                 if item.type == WriteItemType.BYTE_IO:
-                    obj = planner.lookup_object(item.index)  # type: ignore[attr-defined]
-                    keep, enc = self._encode_object(item.index.fqn, obj)
-                    mv = memoryview(keep)
+                    owner, enc = encoded[item.index]
+                    mv = memoryview(owner)
                 else:
                     t = planner.resolve_data(item)
                     assert isinstance(t, torch.Tensor), "tensor item resolved to bytes"
                     t = t.detach()
                     if t.device.type != "cpu":
                         t = t.cpu()
-                    keep = t.contiguous()
-                    mv = tensor_memoryview(keep)
+                    owner = t.contiguous()
+                    mv = tensor_memoryview(owner)
                     enc = "raw"
-                hasher.update(mv)
-                writer.write(mv)
-                loc = ItemLocation(name, pos, len(mv), checksum(mv), enc)
-                results.append(WriteResult(index=item.index, size_in_bytes=len(mv),
-                                           storage_data=loc))
-                pos += len(mv)
+                n = len(mv)
+                if n <= _SMALL:
+                    item_sum = checksum(mv)
+                    file_hash.update(mv)
+                    pending.append(mv)
+                    alive.append(owner)
+                    pending_bytes += n
+                    if pending_bytes >= _BATCH or len(pending) >= _BATCH_ITEMS:
+                        flush()
+                else:
+                    flush()
+                    h = Hasher()
+                    for off in range(0, n, _PIECE):
+                        piece = mv[off:off + _PIECE]
+                        h.update(piece)
+                        file_hash.update(piece)
+                        writer.write(piece)
+                    item_sum = h.value()
+                results.append(WriteResult(index=item.index, size_in_bytes=n,
+                                           storage_data=ItemLocation(name, pos, n, item_sum, enc)))
+                pos += n
+            flush()
             writer.commit()
         except BaseException:
             writer.abort()
             raise
-        self.bytes_written = pos
-        results.append(WriteResult(
-            index=MetadataIndex(f"{_FILE_MARK}{self.rank}"), size_in_bytes=pos,
-            storage_data=(self.rank, FileEntry(name, pos, hasher.value()))))
-        fut.set_result(results)
-        return fut
+        return results, FileEntry(name, pos, file_hash.value())
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator) Write metadata and manifest, then make the step visible."""

@@ -1,25 +1,108 @@
-"""Local-disk storage on POSIX calls: fsync of files and directories, atomic renames."""
+"""Local-disk storage on POSIX calls: fsync of files and directories, atomic renames.
+
+Large files go to disk at device speed and with little CPU, and never fill the page cache (a
+training job's data-set cache matters more than a checkpoint's):
+- where the file system takes ``O_DIRECT`` (Linux ext4, xfs, ...), the writer copies the bytes into
+  a few page-aligned 8 MiB bounce buffers and one I/O thread writes them with direct I/O: no page
+  cache, so the kernel spends no CPU on copying, dirty accounting, writeback and reclaim (measured
+  here: a third of the CPU of a buffered write);
+- elsewhere, buffered writes with early writeback: the kernel is asked to start writing each chunk
+  as soon as it is written (``sync_file_range``), at most a bounded window is dirty, and pages
+  already on disk are dropped (``posix_fadvise(DONTNEED)``), so the disk is busy from the first
+  chunk instead of only at the final fsync.
+Readers use ``preadv`` to scatter one contiguous file range into several destination buffers.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import fcntl
+import mmap
 import os
+import queue
 import shutil
 import stat
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 from ckptmgr.errors import StorageError
 from ckptmgr.storage.base import RootEntry
 
-__all__ = ["LocalStorage"]
+__all__ = ["LocalReader", "LocalStorage"]
 
 T = TypeVar("T")
 _CHUNK = 64 * 1024 * 1024
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# Writeback is started every _WB_STEP bytes; at most _WB_WINDOW bytes are dirty or in flight.
+# Measured here (virtio disk, 1 GiB): 8 MiB / 128 MiB streamed at 1.9-2.1 GB/s against 1.1 GB/s for
+# write-everything-then-fsync; larger windows were no faster.
+_WB_STEP = 8 * 1024 * 1024
+_WB_WINDOW = 128 * 1024 * 1024
+_SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
+_IOV_MAX = 512  # below every platform's IOV_MAX (1024 on Linux)
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+DIRECT_IO = True
+"""Write large files with ``O_DIRECT`` where the file system supports it (tests switch it off)."""
+_DIRECT_ALIGN = 4096  # offsets, lengths and addresses: a multiple of every common block size
+_DIRECT_BUF = 8 * 1024 * 1024
+_DIRECT_NBUF = 3  # one being filled, one being written, one spare
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn: Any = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def _drop_cache(fd: int, offset: int, length: int) -> None:
+    # Advisory only: pages still dirty stay; a failure changes nothing that matters.
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+
+
+def _next_batch(views: list[memoryview], i: int) -> list[memoryview]:
+    """Views ``i, i+1, ...`` for one vectored call: at most _IOV_MAX of them and _CHUNK bytes."""
+    batch: list[memoryview] = []
+    total = 0
+    for v in views[i:i + _IOV_MAX]:
+        if total + len(v) > _CHUNK:
+            if not batch:
+                batch.append(v[:_CHUNK])
+            break
+        batch.append(v)
+        total += len(v)
+    return batch
+
+
+def _consume(views: list[memoryview], i: int, n: int) -> int:
+    """Advance past ``n`` transferred bytes; a partly transferred view is shortened in place."""
+    while n and i < len(views):
+        if n >= len(views[i]):
+            n -= len(views[i])
+            i += 1
+        else:
+            views[i] = views[i][n:]
+            n = 0
+    return i
 
 
 class _LocalWriter:
+    """A file written by chunks, with early, bounded writeback (see the module docstring)."""
+
     def __init__(self, storage: LocalStorage, path: str) -> None:
         self._storage = storage
         self._path = path
@@ -27,34 +110,242 @@ class _LocalWriter:
         self._fd: int | None = storage._call(
             "open for writing", path,
             lambda: os.open(self._abs, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644))
+        self._pos = 0  # bytes written
+        self._started = 0  # writeback started for [0, _started)
+        self._settled = 0  # written back and dropped from the cache for [0, _settled)
+        self._stream = _sync_file_range is not None
 
     def write(self, data: memoryview | bytes) -> None:
+        """Append ``data``."""
+        self.writev([data])
+
+    def writev(self, bufs: Sequence[memoryview | bytes]) -> None:
+        """Append ``bufs`` in order, with as few system calls as possible (``writev``)."""
         assert self._fd is not None, "write after commit/abort"
-        mv = memoryview(data).cast("B")
         fd = self._fd
+        views = [memoryview(b).cast("B") for b in bufs]
+        views = [v for v in views if len(v)]
 
         def _write() -> None:
-            pos = 0
-            while pos < len(mv):
-                pos += os.write(fd, mv[pos:pos + _CHUNK])
+            i = 0
+            while i < len(views):
+                n = os.writev(fd, _next_batch(views, i))
+                self._pos += n
+                i = _consume(views, i, n)
+                self._writeback(fd)
 
         self._storage._call("write", self._path, _write)
 
+    def _writeback(self, fd: int) -> None:
+        if not self._stream or _sync_file_range is None:
+            return
+        if self._pos - self._started >= _WB_STEP:
+            if _sync_file_range(fd, self._started, self._pos - self._started, _SFR_WRITE) != 0:
+                self._stream = False  # e.g. a file system without it: plain writes then fsync
+                return
+            self._started = self._pos
+        if self._started - self._settled > _WB_WINDOW:
+            end = self._started - _WB_WINDOW // 2
+            flags = _SFR_WAIT_BEFORE | _SFR_WRITE | _SFR_WAIT_AFTER
+            if _sync_file_range(fd, self._settled, end - self._settled, flags) != 0:
+                self._stream = False
+                return
+            _drop_cache(fd, self._settled, end - self._settled)
+            self._settled = end
+
     def commit(self) -> None:
+        """fsync and close; the file's pages are then dropped from the page cache."""
         assert self._fd is not None, "commit after commit/abort"
         fd, self._fd = self._fd, None
         try:
             self._storage._call("fsync", self._path, lambda: os.fsync(fd))
+            if self._stream:
+                _drop_cache(fd, 0, 0)
         finally:
             os.close(fd)
 
     def abort(self) -> None:
+        """Close and remove the partial file; never raises."""
         if self._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
             self._fd = None
         with contextlib.suppress(OSError):
             os.unlink(self._abs)
+
+
+class _DirectWriter:
+    """A file written with ``O_DIRECT`` through page-aligned bounce buffers (module docstring).
+
+    The caller's thread copies into the buffer being filled; a full buffer goes to one I/O thread,
+    started with the first full buffer (a small file is written on ``commit``, inline). An I/O
+    error is kept and raised by the next ``write`` or by ``commit``.
+    """
+
+    def __init__(self, storage: LocalStorage, path: str, fd: int) -> None:
+        self._storage = storage
+        self._path = path
+        self._abs = storage.abspath(path)
+        self._fd: int | None = fd
+        self._maps = [mmap.mmap(-1, _DIRECT_BUF) for _ in range(_DIRECT_NBUF)]
+        self._views = [memoryview(m) for m in self._maps]
+        self._addrs = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in self._maps]
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(1, _DIRECT_NBUF):
+            self._free.put(i)
+        self._work: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: OSError | None = None
+        self._cur = 0  # the buffer being filled
+        self._fill = 0  # bytes in it
+        self._offset = 0  # file offset of the next buffer written
+        self._size = 0  # bytes accepted
+
+    def write(self, data: memoryview | bytes) -> None:
+        """Append ``data``."""
+        self.writev([data])
+
+    def writev(self, bufs: Sequence[memoryview | bytes]) -> None:
+        """Append ``bufs`` in order."""
+        assert self._fd is not None, "write after commit/abort"
+        for b in bufs:
+            mv = memoryview(b).cast("B")
+            pos, n = 0, len(mv)
+            while pos < n:
+                take = min(n - pos, _DIRECT_BUF - self._fill)
+                piece = mv[pos:pos + take]
+                if piece.readonly:
+                    self._views[self._cur][self._fill:self._fill + take] = piece
+                else:  # ctypes' memmove releases the GIL while it copies
+                    ctypes.memmove(self._addrs[self._cur] + self._fill,
+                                   (ctypes.c_char * take).from_buffer(piece), take)
+                self._fill += take
+                self._size += take
+                pos += take
+                if self._fill == _DIRECT_BUF:
+                    self._submit(self._fill)
+
+    def _submit(self, n: int) -> None:
+        self._raise_io_error()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._io, name="ckptmgr-io", daemon=True)
+            self._thread.start()
+        self._work.put((self._cur, n, self._offset))
+        self._offset += n
+        self._cur = self._free.get()
+        self._fill = 0
+
+    def _io(self) -> None:
+        """(I/O thread) Write each submitted buffer; after an error only hand buffers back."""
+        while (item := self._work.get()) is not None:
+            i, n, offset = item
+            try:
+                if self._error is None:
+                    self._pwrite(self._views[i][:n], offset)
+            except OSError as e:
+                self._error = e
+            finally:
+                self._free.put(i)
+
+    def _pwrite(self, view: memoryview, offset: int) -> None:
+        fd = self._fd
+        assert fd is not None, "write after close"
+        pos = 0
+        while pos < len(view):
+            try:
+                pos += os.pwrite(fd, view[pos:], offset + pos)
+            except OSError as e:
+                # A file system that accepted O_DIRECT at open but not this write: go buffered.
+                flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+                if e.errno != errno.EINVAL or not flags & _O_DIRECT:
+                    raise
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+
+    def _raise_io_error(self) -> None:
+        if self._error is not None:
+            err = self._error
+            raise StorageError(f"write failed for {self._storage.url}/{self._path}: "
+                               f"{err.strerror or err}") from err
+
+    def _stop(self) -> None:
+        if self._thread is not None:
+            self._work.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _release(self) -> None:
+        for v in self._views:
+            v.release()
+        for m in self._maps:
+            m.close()
+        self._views, self._maps = [], []
+
+    def commit(self) -> None:
+        """Write the rest (padded to the block size, then truncated), fsync and close."""
+        assert self._fd is not None, "commit after commit/abort"
+        fd = self._fd
+        try:
+            if self._fill:
+                padded = -(-self._fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
+                if self._thread is None:
+                    self._storage._call("write", self._path, lambda: self._pwrite(
+                        self._views[self._cur][:padded], self._offset))
+                else:
+                    self._submit(padded)
+            self._stop()
+            self._raise_io_error()
+            self._storage._call("truncate", self._path, lambda: os.ftruncate(fd, self._size))
+            self._storage._call("fsync", self._path, lambda: os.fsync(fd))
+        except BaseException:
+            self.abort()
+            raise
+        self._fd = None
+        os.close(fd)
+        self._release()
+
+    def abort(self) -> None:
+        """Stop writing, close and remove the partial file; never raises."""
+        self._stop()
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        with contextlib.suppress(OSError):
+            os.unlink(self._abs)
+        with contextlib.suppress(BufferError):
+            self._release()
+
+
+class LocalReader:
+    """One open file of a step, read by ranges: ``readv_into`` scatters a range into buffers."""
+
+    def __init__(self, storage: LocalStorage, path: str) -> None:
+        self._storage = storage
+        self._path = path
+        self._fd: int | None = storage._call(
+            "open", path, lambda: os.open(storage.abspath(path), os.O_RDONLY | _NOFOLLOW))
+
+    def readv_into(self, offset: int, bufs: Sequence[memoryview]) -> None:
+        """Fill ``bufs`` in order with the bytes starting at ``offset`` (one ``preadv`` per batch).
+
+        Raises:
+            StorageError: the read failed or the file ends early.
+        """
+        assert self._fd is not None, "read after close"
+        self._storage._readv_fd(self._fd, self._path, offset, bufs)
+
+    def close(self) -> None:
+        """Close the file; idempotent."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> LocalReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class LocalStorage:
@@ -138,15 +429,22 @@ class LocalStorage:
             return bytes(buf)
 
     def _read_fd(self, fd: int, path: str, offset: int, buf: memoryview) -> None:
-        mv = buf.cast("B")
+        self._readv_fd(fd, path, offset, [buf])
+
+    def _readv_fd(self, fd: int, path: str, offset: int, bufs: Sequence[memoryview]) -> None:
+        views = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in bufs]
+        views = [v for v in views if len(v)]
+        want = offset + sum(len(v) for v in views)
 
         def _read() -> None:
-            pos = 0
-            while pos < len(mv):
-                n = os.preadv(fd, [mv[pos:pos + _CHUNK]], offset + pos)
+            pos = offset
+            i = 0
+            while i < len(views):
+                n = os.preadv(fd, _next_batch(views, i), pos)
                 if n == 0:
-                    raise EOFError(f"file ends at byte {offset + pos}, wanted {offset + len(mv)}")
+                    raise EOFError(f"file ends at byte {pos}, wanted {want}")
                 pos += n
+                i = _consume(views, i, n)
 
         try:
             self._call("read", path, _read)
@@ -157,7 +455,22 @@ class LocalStorage:
         with self._open_read(path) as fd:
             self._read_fd(fd, path, offset, buf)
 
-    def open_writer(self, path: str) -> _LocalWriter:
+    def open_reader(self, path: str) -> LocalReader:
+        """``path`` opened for repeated range reads (close it, or use it as a context manager)."""
+        return LocalReader(self, path)
+
+    def open_writer(self, path: str) -> _LocalWriter | _DirectWriter:
+        """A new file at ``path``: direct I/O where the file system takes it, else buffered."""
+        if DIRECT_IO and _O_DIRECT:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _O_DIRECT
+            try:
+                fd = os.open(self.abspath(path), flags, 0o644)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: no O_DIRECT here (tmpfs, ...)
+                    raise StorageError(f"open for writing failed for {self.url}/{path}: "
+                                       f"{e.strerror or e}") from e
+            else:
+                return _DirectWriter(self, path, fd)
         return _LocalWriter(self, path)
 
     def write_bytes(self, path: str, data: bytes, *, exclusive: bool = False) -> None:

@@ -1,0 +1,287 @@
+"""The fast byte path (streams, coalesced writes, vectored reads) and the benchmark, end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptmgr import CheckpointManager, CorruptCheckpointError
+from ckptmgr.dcp import reader, writer
+from ckptmgr.dcp.writer import split_runs
+from ckptmgr.errors import StorageError
+from ckptmgr.storage import local
+from ckptmgr.storage.local import LocalStorage
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench.py"
+
+
+def _bench() -> Any:
+    spec = importlib.util.spec_from_file_location("ckptmgr_bench", BENCH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "big": torch.randn(300_000, generator=g),                   # split into pieces
+        "mat": torch.randn(200, 300, generator=g).t(),              # non-contiguous
+        "bf16": torch.randn(1000, generator=g).to(torch.bfloat16),  # coalesced small items
+        "ints": torch.arange(77, dtype=torch.int64),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "small": [torch.full((i + 1,), float(i)) for i in range(40)],
+        "extra": {"epoch": 7, "name": "run"},
+    }
+
+
+def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in state.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = torch.zeros(v.shape, dtype=v.dtype)
+        elif isinstance(v, list):
+            out[k] = [torch.zeros_like(t) for t in v]
+        else:
+            out[k] = {"epoch": 0, "name": ""}
+    return out
+
+
+def _assert_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, b[k]), k
+        elif isinstance(v, list):
+            assert all(torch.equal(x, y) for x, y in zip(v, b[k], strict=True)), k
+        else:
+            assert v == b[k], k
+
+
+@pytest.fixture
+def small_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiny thresholds, so a small state takes every path: several streams, coalesced batches,
+    pieces of a large item, several vectored reads."""
+    monkeypatch.setattr(writer, "_MIN_STREAM_BYTES", 1)
+    monkeypatch.setattr(writer, "_SMALL", 4096)
+    monkeypatch.setattr(writer, "_BATCH", 16384)
+    monkeypatch.setattr(writer, "_PIECE", 100_000)
+    monkeypatch.setattr(reader, "_MIN_STREAM_BYTES", 1)
+    monkeypatch.setattr(reader, "_BATCH", 65536)
+    monkeypatch.setattr(reader, "_BATCH_ITEMS", 4)
+
+
+@pytest.mark.parametrize(("write_threads", "read_threads"), [(1, 1), (3, 2), (2, 5)])
+def test_streams_round_trip(local_root: str, small_streams: None, monkeypatch: pytest.MonkeyPatch,
+                            write_threads: int, read_threads: int) -> None:
+    monkeypatch.setattr(writer, "DEFAULT_NUM_THREADS", write_threads)
+    monkeypatch.setattr(reader, "DEFAULT_NUM_THREADS", read_threads)
+    state = _state()
+    with CheckpointManager(local_root, save_interval=1) as mgr:
+        mgr.save(1, state)
+        info = mgr.step_info(1)
+        data = sorted(f.path for f in info.files if f.path.startswith("data-"))
+        assert len(data) == write_threads
+        assert [p.rsplit("-", 1)[1] for p in data] == [f"{i:03d}.bin" for i in range(len(data))]
+        out = _zeros_like(state)
+        mgr.restore(1, out)
+    _assert_equal(state, out)
+
+
+def test_memory_backend_uses_ranged_reads(small_streams: None,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer, "DEFAULT_NUM_THREADS", 2)
+    monkeypatch.setattr(reader, "DEFAULT_NUM_THREADS", 2)
+    url = f"memory://bench-tests/{uuid.uuid4().hex}"
+    state = _state()
+    with CheckpointManager(url, save_interval=1) as mgr:
+        mgr.save(1, state)
+        out = _zeros_like(state)
+        mgr.restore(1, out)
+    _assert_equal(state, out)
+
+
+def test_async_save_with_streams(local_root: str, small_streams: None,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer, "DEFAULT_NUM_THREADS", 2)
+    monkeypatch.setattr(writer, "DEFAULT_IO_NICE", 5)  # threads of our own, reniced
+    state = _state()
+    with CheckpointManager(local_root, save_interval=1) as mgr:
+        mgr.save_async(1, state)
+        mgr.join()
+        out = _zeros_like(state)
+        mgr.restore(1, out)
+    _assert_equal(state, out)
+
+
+def test_restore_into_non_contiguous_targets(local_root: str, small_streams: None) -> None:
+    state = {"w": torch.randn(50, 60), "v": torch.randn(1000)}
+    target = {"w": torch.zeros(60, 50).t(), "v": torch.zeros(2000)[::2]}
+    assert not target["w"].is_contiguous() and not target["v"].is_contiguous()
+    with CheckpointManager(local_root, save_interval=1) as mgr:
+        mgr.save(1, state)
+        mgr.restore(1, target)
+    assert torch.equal(target["w"], state["w"]) and torch.equal(target["v"], state["v"])
+
+
+def test_corruption_found_in_any_stream(local_root: str, small_streams: None,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer, "DEFAULT_NUM_THREADS", 3)
+    monkeypatch.setattr(reader, "DEFAULT_NUM_THREADS", 2)
+    state = _state()
+    with CheckpointManager(local_root, save_interval=1) as mgr:
+        mgr.save(1, state)
+    d = os.path.join(local_root, "1")
+    last = sorted(n for n in os.listdir(d) if n.startswith("data-"))[-1]
+    with open(os.path.join(d, last), "r+b") as f:
+        f.seek(5)
+        b = f.read(1)
+        f.seek(5)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with CheckpointManager(local_root, save_interval=1) as mgr, pytest.raises(
+            CorruptCheckpointError) as ei:
+        mgr.restore(1, _zeros_like(state))
+    assert last in str(ei.value)
+
+
+def test_failed_stream_aborts_every_file(local_root: str, small_streams: None,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writer, "DEFAULT_NUM_THREADS", 3)
+    calls = {"n": 0}
+
+    def flaky(real: Any) -> Any:
+        def writev(self: Any, bufs: Any) -> None:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise StorageError("disk full (injected)")
+            real(self, bufs)
+        return writev
+
+    for cls in (local._LocalWriter, local._DirectWriter):
+        monkeypatch.setattr(cls, "writev", flaky(cls.writev))
+    with CheckpointManager(local_root, save_interval=1) as mgr:
+        with pytest.raises(Exception, match="disk full"):
+            mgr.save(1, _state())
+        assert mgr.all_steps() == []
+    leftovers = [n for _, _, names in os.walk(local_root) for n in names if n.startswith("data-")]
+    assert leftovers == []
+
+
+def test_split_runs() -> None:
+    assert split_runs([10] * 10, 1, 1) == [0]
+    assert split_runs([10] * 10, 2, 1) == [0, 5]
+    assert split_runs([10] * 9, 3, 1) == [0, 3, 6]
+    assert split_runs([90, 5, 5], 2, 1) == [0, 1]
+    assert split_runs([10] * 10, 4, 40) == [0, 5]  # at least 40 bytes per run: two runs
+    assert split_runs([5], 8, 1) == [0]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_local_vectored_io(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool) -> None:
+    monkeypatch.setattr(local, "_IOV_MAX", 3)
+    monkeypatch.setattr(local, "_CHUNK", 10)
+    monkeypatch.setattr(local, "DIRECT_IO", direct)
+    storage = LocalStorage(str(tmp_path))
+    w = storage.open_writer("f")
+    parts = [bytes([i]) * (i % 7) for i in range(30)]
+    w.writev(parts)
+    w.write(b"tail" * 5)
+    w.commit()
+    blob = b"".join(parts) + b"tail" * 5
+    assert storage.read_bytes("f") == blob
+    bufs = [bytearray(n) for n in (1, 0, 25, 3, 14)]
+    with storage.open_reader("f") as r:
+        r.readv_into(2, [memoryview(b) for b in bufs])
+    assert b"".join(bufs) == blob[2:2 + 43]
+    with storage.open_reader("f") as r, pytest.raises(StorageError, match="ends at byte"):
+        r.readv_into(len(blob) - 2, [memoryview(bytearray(5))])
+
+
+def _direct_supported(path: Path) -> bool:
+    w = LocalStorage(str(path)).open_writer("probe")
+    w.abort()
+    return isinstance(w, local._DirectWriter)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 3 * 4096 + 7, 10 * 65536 + 3])
+def test_direct_writer_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int) -> None:
+    if not _direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    monkeypatch.setattr(local, "_DIRECT_BUF", 65536)  # several buffers: the I/O thread runs
+    storage = LocalStorage(str(tmp_path))
+    data = os.urandom(size)
+    t = torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0)
+    w = storage.open_writer("f")
+    assert isinstance(w, local._DirectWriter)
+    half = size // 2
+    w.write(data[:half])  # read-only bytes
+    if size:
+        from ckptmgr.dcp._bytes import tensor_memoryview
+
+        w.writev([tensor_memoryview(t)[half:]])  # writable memory, copied with memmove
+    w.commit()
+    assert storage.read_bytes("f") == data
+    assert os.path.getsize(tmp_path / "f") == size
+
+
+def test_direct_writer_io_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    monkeypatch.setattr(local, "_DIRECT_BUF", 65536)
+    real = os.pwrite
+    calls = {"n": 0}
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(28, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(local.os, "pwrite", pwrite)
+    storage = LocalStorage(str(tmp_path))
+    w = storage.open_writer("f")
+    with pytest.raises(StorageError, match="No space left"):
+        for _ in range(20):
+            w.write(b"x" * 65536)
+        w.commit()
+    w.abort()
+    assert not (tmp_path / "f").exists()
+
+
+def test_benchmark_end_to_end(tmp_path: Path) -> None:
+    bench = _bench()
+    out = tmp_path / "out"
+    t = time.perf_counter()
+    doc = bench.main(["--size", "4MiB", "--count", "24", "--reps", "1", "--warmup", "0",
+                      "--dir", str(tmp_path), "--out", str(out), "--compute-min-s", "0.1"])
+    took = time.perf_counter() - t
+    names = {r["name"] for r in doc["rows"]}
+    for name in ("floor.copy", "floor.write", "floor.read", "torch.save", "torch.load",
+                 "dcp.save", "dcp.load", "dcp_async.blocking", "dcp_async.total",
+                 "dcp_async_reused.total", "ckptmgr.save", "ckptmgr.save_async.blocking",
+                 "ckptmgr.save_async.total", "ckptmgr.restore", "compute_lost.dcp_async",
+                 "compute_lost.ckptmgr"):
+        assert name in names, name
+    if importlib.util.find_spec("safetensors") is not None:
+        assert {"safetensors.save", "safetensors.load"} <= names
+    assert {t["measure"] for t in doc["targets"]} == {
+        "ckptmgr.save_async.total", "ckptmgr.restore", "compute_lost.ckptmgr",
+        "ckptmgr.save_async.blocking"}
+    saved = json.loads((out / "bench.json").read_text())
+    assert saved["config"]["size_bytes"] == doc["config"]["size_bytes"]
+    assert "| `ckptmgr.restore` |" in (out / "bench.md").read_text()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "bench.png").stat().st_size > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # scratch data removed
+    assert took < 60, f"the smoke run took {took:.1f} s"
