@@ -49,7 +49,14 @@ def _read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 120)
 
 
 def _finish(proc: subprocess.Popen[str], timeout: float = 120) -> tuple[int, list[str], str]:
-    out, err = proc.communicate(timeout=timeout)
+    # Read through the text wrappers: communicate() would read the raw pipes and lose whatever
+    # _read_until's readline() already buffered (e.g. the last "step" line). stderr stays small.
+    assert proc.stdout is not None and proc.stderr is not None
+    out = proc.stdout.read()
+    err = proc.stderr.read()
+    proc.wait(timeout=timeout)
+    proc.stdout.close()
+    proc.stderr.close()
     return proc.returncode, [x.strip() for x in out.splitlines()], err
 
 
