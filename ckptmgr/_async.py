@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ckptmgr.dcp.shards import ShardedTensor, StagedShards
+
 __all__ = ["SaveQueue", "Stager"]
 
 log = logging.getLogger("ckptmgr")
@@ -33,15 +35,20 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        # Sharded tensors: one buffer per distinct box (replicas are not copied).
+        self._shard_buffers: dict[str, dict[Any, torch.Tensor]] = {}
 
     @property
     def nbytes(self) -> int:
         """Bytes held by the staging buffers."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        bufs = [*self._buffers.values(),
+                *(b for boxes in self._shard_buffers.values() for b in boxes.values())]
+        return sum(b.numel() * b.element_size() for b in bufs)
 
     def release(self) -> None:
         """Drop every buffer."""
         self._buffers.clear()
+        self._shard_buffers.clear()
 
     def _buffer(self, key: str, src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -67,6 +74,9 @@ class Stager:
                 out[key] = DTensor.from_local(buf, value.device_mesh, value.placements,
                                               run_check=False, shape=value.shape,
                                               stride=value.stride())
+            elif isinstance(value, ShardedTensor):
+                self._buffers.pop(key, None)
+                out[key] = StagedShards.stage(value, self._shard_buffers.setdefault(key, {}))
             elif isinstance(value, torch.Tensor):
                 buf = self._buffer(key, value)
                 buf.copy_(value.detach(), non_blocking=value.device.type != "cpu")
@@ -76,6 +86,8 @@ class Stager:
                 out[key] = copy.deepcopy(value)
         for key in set(self._buffers) - set(flat):
             del self._buffers[key]
+        for key in set(self._shard_buffers) - set(flat):
+            del self._shard_buffers[key]
         if accelerator and torch.cuda.is_available():
             torch.cuda.synchronize()
         return out

@@ -5,7 +5,7 @@ This is the one place where the manager's arguments are validated. The construct
 :func:`load_config` with a YAML file, a mapping or a model. Both return a frozen
 :class:`ManagerConfig` with nested sections::
 
-    ManagerConfig        path, save_interval, overwrite, verify
+    ManagerConfig        path, save_interval, overwrite, verify, planner
     ├── storage          StorageConfig      fsspec options (credentials, endpoint, ...)
     ├── retention        RetentionConfig    which committed steps to keep
     ├── async            AsyncConfig        the single-in-flight save queue
@@ -73,6 +73,7 @@ _RULES: dict[str, str] = {
     "save_interval": "an int >= 1",
     "overwrite": "a bool",
     "verify": "a bool",
+    "planner": "'auto', 'dcp' or 'xla_spmd'",
     "storage": "a mapping",
     "storage.options": "None or a dict with str keys",
     "retention": "a mapping",
@@ -115,6 +116,7 @@ _FLAT: dict[str, tuple[str, ...]] = {
     "preemption_grace_s": ("preemption", "grace_s"),
     "exit_on_preemption": ("preemption", "exit_on_preemption"),
     "preemption_file": ("preemption", "file"),
+    "planner": ("planner",),
 }
 _DOTTED_TO_FLAT = {".".join(where): name for name, where in _FLAT.items()}
 
@@ -313,6 +315,9 @@ class ManagerConfig(_Section):
         default=False, description="allow re-saving a committed step")
     verify: Annotated[bool, Strict()] = Field(
         default=True, description="check sizes and checksums on restore")
+    planner: Literal["auto", "dcp", "xla_spmd"] = Field(
+        default="auto", description="how states are planned: 'auto' picks 'xla_spmd' when the "
+        "state holds XLA (or other sharded) tensors, else 'dcp'")
     storage: StorageConfig = Field(default_factory=StorageConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")

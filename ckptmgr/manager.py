@@ -32,8 +32,10 @@ from ckptmgr.dcp._metadata_json import MAX_METADATA_BYTES, ItemLocation, decode_
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
 from ckptmgr.dcp.reader import CkptStorageReader
 from ckptmgr.dcp.report import compatibility_report, describe_mesh
+from ckptmgr.dcp.spmd import SpmdLoadPlanner, SpmdSavePlanner, has_sharded
 from ckptmgr.dcp.state import FlatState, flatten_state
 from ckptmgr.dcp.writer import CkptStorageWriter, CommitPlan
+from ckptmgr.dcp.xla import wrap_xla_tensors
 from ckptmgr.errors import (
     AsyncSaveError,
     CheckpointExistsError,
@@ -146,6 +148,8 @@ class CheckpointManager:
             ``reached_preemption(step)`` is True).
         preemption_file: a path whose appearance also means preemption.
         preemption_check: a callable returning True on preemption (e.g. a metadata-server poll).
+        planner: "auto" (XLA-SPMD planners when the state holds XLA or other sharded tensors,
+            else DCP-style planning), "dcp" or "xla_spmd".
 
     Raises:
         ConfigError: an invalid argument (names the field, value and rule), an unknown URL scheme,
@@ -177,6 +181,7 @@ class CheckpointManager:
         exit_on_preemption: bool = True,
         preemption_file: str | None = None,
         preemption_check: Callable[[], bool] | None = None,
+        planner: str = "auto",
     ) -> None:
         self._closed = True  # until fully constructed, close() has nothing to release
         cfg = ManagerConfig.from_kwargs(
@@ -187,7 +192,8 @@ class CheckpointManager:
             best_metric=best_metric, best_mode=best_mode, keep_best=keep_best,
             overwrite=overwrite, backpressure=backpressure, verify=verify,
             preemption_signals=preemption_signals, preemption_grace_s=preemption_grace_s,
-            exit_on_preemption=exit_on_preemption, preemption_file=preemption_file)
+            exit_on_preemption=exit_on_preemption, preemption_file=preemption_file,
+            planner=planner)
         self.config = cfg
         self._storage: Storage = open_storage(cfg.path, cfg.storage.options)
         ret = cfg.retention
@@ -210,6 +216,10 @@ class CheckpointManager:
         self._wcomm = Comm(self._worker_group)
         self._queue = SaveQueue()
         self._stager = Stager()
+        # One save planner for the manager's life, so that saves of an unchanged state reuse its
+        # plans (saves never overlap: one runs at a time, on one thread).
+        self._save_planner = CkptSavePlanner()
+        self._spmd_save_planner: SpmdSavePlanner | None = None  # made at the first sharded save
         self._inflight_step: int | None = None
         self._records: dict[int, StepRecord] = {}
         self._last_stats: SaveStats | None = None
@@ -378,7 +388,7 @@ class CheckpointManager:
         fs, keys, manifest, metadata = self._comm.agree(
             lambda: self._prepare_restore(step, state_dict, allow_partial, trusted), token=step)
         flat = {k: fs.flat[k] for k in keys}
-        planner = CkptLoadPlanner()
+        planner = SpmdLoadPlanner() if self._spmd(flat) else CkptLoadPlanner()
         reader = CkptStorageReader(self._storage, step_dir_name(step), manifest, metadata,
                                    verify=self.config.verify, trusted=trusted)
         try:
@@ -391,11 +401,36 @@ class CheckpointManager:
                 raise exc from None
             raise RestoreError(f"restore of step {step} failed on rank {rank}: "
                                f"{type(exc).__name__}: {exc}", step=step) from exc
+        if isinstance(planner, SpmdLoadPlanner):
+            planner.write_back()
         fs.apply_values(planner.values)
         log.info("restored step %d from %s (%d bytes read on this rank)", step,
                  self._storage.url, reader.bytes_read)
 
     # ------------------------------------------------------------------------- internals
+
+    def _flatten(self, state_dict: Mapping[str, Any]) -> FlatState:
+        """Flatten a state; XLA tensors become shard views unless the planner is "dcp"."""
+        fs = flatten_state(state_dict)
+        if self.config.planner == "dcp":
+            if has_sharded(fs.flat):
+                raise ConfigError(
+                    "the state holds sharded tensors (ShardedTensor values), which planner='dcp' "
+                    "cannot plan; use planner='auto' or 'xla_spmd'")
+            return fs
+        fs.flat = wrap_xla_tensors(fs.flat)
+        return fs
+
+    def _spmd(self, flat: Mapping[str, Any]) -> bool:
+        return self.config.planner == "xla_spmd" or (
+            self.config.planner == "auto" and has_sharded(dict(flat)))
+
+    def _save_planner_for(self, flat: Mapping[str, Any]) -> CkptSavePlanner:
+        if not self._spmd(flat):
+            return self._save_planner
+        if self._spmd_save_planner is None:
+            self._spmd_save_planner = SpmdSavePlanner()
+        return self._spmd_save_planner
 
     def _check_open(self) -> None:
         if self._closed:
@@ -507,7 +542,7 @@ class CheckpointManager:
             raise RestoreError(f"step {step} was written on a {manifest.byteorder}-endian host; "
                                f"this host is {sys.byteorder}-endian", step=step)
         metadata = self._read_metadata(step, manifest)
-        fs = flatten_state(state_dict)
+        fs = self._flatten(state_dict)
         pickle_keys = {idx.fqn for idx, loc in (metadata.storage_data or {}).items()
                        if isinstance(loc, ItemLocation) and loc.enc == "pickle"}
         report = compatibility_report(
@@ -593,7 +628,7 @@ class CheckpointManager:
         return True
 
     def _prepare_save(self, state_dict: Mapping[str, Any], trusted: bool) -> FlatState:
-        fs = flatten_state(state_dict)
+        fs = self._flatten(state_dict)
         if not trusted:
             bad = [k for k in fs.value_keys() if not is_representable(fs.flat[k])]
             if bad:
@@ -675,10 +710,12 @@ class CheckpointManager:
         ``comm``/``group`` are the ones owned by that thread.
         """
         step = plan.step
-        writer = CkptStorageWriter(self._storage, plan, comm.rank, trusted=trusted)
+        writer = CkptStorageWriter(self._storage, plan, comm.rank, trusted=trusted,
+                                   num_threads=self.config.async_.num_of_threads)
+        save_planner = self._save_planner_for(flat)
         t_write = time.perf_counter()
         try:
-            dcp_save(flat, writer, CkptSavePlanner(), group)
+            dcp_save(flat, writer, save_planner, group)
         except CheckpointException as e:
             rank, exc, failures = _first_failure(e)
             comm.on_coordinator(lambda: self._discard_attempt(plan))
@@ -686,6 +723,8 @@ class CheckpointManager:
                 raise exc from None
             raise SaveError(f"save of step {step} to {self._storage.url} failed on rank {rank}: "
                             f"{type(exc).__name__}: {exc}", step=step, failures=failures) from exc
+        finally:
+            save_planner.release_state()  # keep the plans, not the caller's tensors
         write_s = time.perf_counter() - t_write
         manifest = writer.manifest  # set on the coordinator only
         self._records = comm.on_coordinator(lambda: self._after_commit(plan, manifest))

@@ -39,13 +39,13 @@ DEFAULTS: dict[str, Any] = {
     "overwrite": False, "backpressure": "block", "verify": True,
     "preemption_signals": (signal.SIGTERM,), "preemption_grace_s": 30.0,
     "exit_on_preemption": True,
-    "preemption_file": None,
+    "preemption_file": None, "planner": "auto",
 }
 
 # Constructor argument -> YAML path, written out here independently of the module's own table.
 YAML_PATH = {
     "path": "path", "save_interval": "save_interval", "overwrite": "overwrite",
-    "verify": "verify", "storage_options": "storage.options",
+    "verify": "verify", "planner": "planner", "storage_options": "storage.options",
     "max_to_keep": "retention.max_to_keep", "keep_period": "retention.keep_period",
     "keep_time_interval": "retention.keep_time_interval",
     "best_metric": "retention.best_metric", "best_mode": "retention.best_mode",
@@ -131,6 +131,7 @@ def test_round_trip_with_every_option_set() -> None:
         "best_mode": "max", "keep_best": 2, "overwrite": True, "backpressure": "skip",
         "verify": False, "preemption_signals": (signal.SIGUSR1, signal.SIGINT),
         "preemption_grace_s": 12.5, "exit_on_preemption": False, "preemption_file": "/tmp/p",
+        "planner": "xla_spmd",
     }
     cfg = ManagerConfig.from_kwargs(**kwargs)
     assert cfg.to_kwargs() == kwargs
@@ -237,6 +238,8 @@ INVALID: list[tuple[str, Any, str]] = [
     ("preemption_grace_s", math.nan, "{} must be a finite number, got nan"),
     ("preemption_grace_s", True, "{} must be a finite number of seconds > 0, got True"),
     ("exit_on_preemption", None, "{} must be a bool, got None"),
+    ("planner", "xla", "{} must be 'auto', 'dcp' or 'xla_spmd', got 'xla'"),
+    ("planner", None, "{} must be 'auto', 'dcp' or 'xla_spmd', got None"),
 ]
 
 

@@ -9,6 +9,14 @@ Call order (DCP's, per save):
    exactly one of the ranks that hold it, then DCP builds the metadata from the deduplicated plans.
 3) (all ranks) ``finish_plan``; the writer writes each rank's items.
 
+Plan caching (per planner instance; the manager keeps one save planner, so a training run plans
+once): ``create_local_plan`` reuses its last plan when :meth:`CkptSavePlanner._structure_key` of
+the state equals the last one, and the coordinator reuses its last global plan and metadata when
+every gathered local plan equals the one it planned from (an exact comparison: a change of any
+rank's keys, shapes, dtypes, shards or of the world size plans again). Subclasses opt out with
+``plan_cache = False``, or per save by returning None from ``_structure_key``; one whose local
+plan depends on more than the flat state's tensors' layout must extend ``_structure_key``.
+
 Python values never go through ``torch.save``/``torch.load``: the writer encodes the object it looks
 up, and the reader hands decoded values to :meth:`CkptLoadPlanner.load_value`.
 """
@@ -17,15 +25,21 @@ from __future__ import annotations
 
 import dataclasses
 import io
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from ckptmgr.errors import UnsafeCheckpointError
 
-__all__ = ["CkptLoadPlanner", "CkptSavePlanner", "balance_replicated", "metadata_bytes_estimate"]
+__all__ = [
+    "CkptLoadPlanner", "CkptSavePlanner", "balance_replicated", "default_structure_key",
+    "metadata_bytes_estimate",
+]
 
 # Bytes our JSON metadata spends per stored item (its storage entry with file name, position,
 # length, checksum and encoding, plus its share of the tensor entry), besides twice the key.
@@ -33,6 +47,9 @@ __all__ = ["CkptLoadPlanner", "CkptSavePlanner", "balance_replicated", "metadata
 _METADATA_BYTES_PER_ITEM = 215
 # Python values are tagged JSON of unknown size at planning time; most are a few dozen bytes.
 _VALUE_BYTES = 64
+# Plans kept per planner: two, so that states alternating between two layouts (say, a synchronous
+# save of live tensors and a background one of staged copies) both stay planned.
+_CACHED_PLANS = 2
 
 
 def _item_bytes(item: WriteItem) -> int:
@@ -95,21 +112,126 @@ def balance_replicated(plans: list[SavePlan], coordinator_extra_bytes: int = 0) 
     ]
 
 
-class CkptSavePlanner(DefaultSavePlanner):
-    """DCP's default save planning on a flat state dict, with :func:`balance_replicated` dedup.
+def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
+    # Everything DCP's write item of a whole tensor holds (TensorProperties: dtype, layout,
+    # requires_grad, pinned), plus the strides: a cheap extra that only ever forces a re-plan.
+    return (tuple(t.shape), t.dtype, t.layout, t.requires_grad, t.is_pinned(), t.stride())
 
-    DCP's plan caching is off: its cache is process-wide and keyed by class name, so two managers
-    (or two process groups) in one process would share it.
+
+def default_structure_key(state_dict: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """What a default local save plan of ``state_dict`` depends on, in key order, or None when
+    some value is of a kind whose plan this function cannot vouch for.
+
+    Plain tensors: shape, dtype, layout, requires_grad, pinned, strides. DTensors: global shape,
+    mesh, placements, and the local tensor's key. Python values: only that they are values.
+    Holds no tensor, so a cached key keeps no state alive.
     """
+    parts: list[tuple[Any, ...]] = []
+    for fqn, value in state_dict.items():
+        if isinstance(value, DTensor):
+            parts.append((fqn, "dtensor", tuple(value.shape), value.device_mesh,
+                          tuple(value.placements), _tensor_key(value.to_local())))
+        elif hasattr(value, "__create_write_items__"):
+            return None  # another checkpointable tensor type: its items are its own business
+        elif isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor and not isinstance(value, torch.nn.Parameter):
+                return None  # ShardedTensor and other subclasses plan their own items
+            parts.append((fqn, "tensor", _tensor_key(value)))
+        else:
+            parts.append((fqn, "value"))
+    return tuple(parts)
+
+
+def _same_plans(a: list[SavePlan], b: list[SavePlan]) -> bool:
+    return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b, strict=True))
+
+
+class CkptSavePlanner(DefaultSavePlanner):
+    """DCP's default save planning on a flat state dict, with :func:`balance_replicated` dedup and
+    plan caching across saves (module docstring).
+
+    DCP's own plan caching is off: its cache is process-wide and keyed by class name, so two
+    managers (or two process groups) in one process would share it. Ours lives on the instance.
+
+    Attributes:
+        plan_cache: class-level switch; a subclass sets it False to plan every save afresh.
+        local_plan_reuses: saves whose local plan came from the cache (this rank).
+        global_plan_reuses: saves whose global plan and metadata came from the cache (coordinator).
+    """
+
+    plan_cache: bool = True
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=True)
+        self.local_plan_reuses = 0
+        self.global_plan_reuses = 0
+        self._key: Any = None
+        # Newest first: (structure key, local plan) and (gathered plans, global plans, metadata).
+        self._local_cache: list[tuple[Any, SavePlan]] = []
+        self._global_cache: list[tuple[list[SavePlan], list[SavePlan], Metadata]] = []
+
+    def _structure_key(self, state_dict: Mapping[str, Any]) -> Any:
+        """(all ranks) A comparable summary of everything this rank's local plan depends on, or
+        None to plan this save afresh (and skip the global cache on the coordinator).
+
+        The hook for subclasses: one whose ``create_local_plan`` adds items derived from state it
+        keeps elsewhere must return None or fold that state's layout into the key. The key is
+        compared with ``==`` (never hashed) and must not hold tensors. Default:
+        :func:`default_structure_key` of the state given to ``set_up_planner``.
+        """
+        return default_structure_key(state_dict)
+
+    def clear_plan_cache(self) -> None:
+        """Forget every cached plan (the next save plans afresh)."""
+        self._local_cache.clear()
+        self._global_cache.clear()
+
+    def release_state(self) -> None:
+        """Drop the references to the last saved state (the plans stay cached): a planner kept
+        across saves must not keep the caller's tensors alive between them."""
+        self.state_dict = {}
+
+    def create_local_plan(self) -> SavePlan:
+        """(all ranks) DCP's default local plan, or the cached one for an equal structure key."""
+        self._key = None
+        if self.plan_cache:
+            key = self._structure_key(self.state_dict)
+            self._key = None if key is None else (self.is_coordinator, key)
+        if self._key is not None:
+            for i, (cached_key, cached_plan) in enumerate(self._local_cache):
+                if cached_key == self._key:
+                    self._local_cache.insert(0, self._local_cache.pop(i))
+                    self.local_plan_reuses += 1
+                    self.plan = cached_plan
+                    return cached_plan
+        plan: SavePlan = super().create_local_plan()
+        if self._key is not None:
+            self._local_cache.insert(0, (self._key, plan))
+            del self._local_cache[_CACHED_PLANS:]
+        return plan
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        """(coordinator) Balanced dedup, then DCP's global plan (its own dedup finds nothing)."""
+        """(coordinator) Balanced dedup, then DCP's global plan (its own dedup finds nothing);
+        or the cached result when every gathered plan equals the ones it was made from.
+
+        Returns a fresh list and a fresh (shallow) copy of the metadata every time: the storage
+        writer sets ``storage_data`` on it.
+        """
+        use_cache = self.plan_cache and self._key is not None
+        if use_cache:
+            for i, (inputs, plans, metadata) in enumerate(self._global_cache):
+                if _same_plans(inputs, all_plans):
+                    self._global_cache.insert(0, self._global_cache.pop(i))
+                    self.global_plan_reuses += 1
+                    self.global_plan = list(plans)
+                    self.metadata = dataclasses.replace(metadata)
+                    return list(plans), self.metadata
         balanced = balance_replicated(all_plans, metadata_bytes_estimate(all_plans))
-        plans: list[SavePlan]
         plans, metadata = super().create_global_plan(balanced)
+        if use_cache:
+            self._global_cache.insert(0, (list(all_plans), list(plans),
+                                          dataclasses.replace(metadata)))
+            del self._global_cache[_CACHED_PLANS:]
         return plans, metadata
 
 

@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ckptmgr.dcp.shards import ShardedTensor
+
 __all__ = ["CompatibilityReport", "Reshard", "compatibility_report", "describe_mesh"]
 
 _SHOWN = 50  # lines of each kind spelled out in str(); the counts are always complete
@@ -47,7 +49,11 @@ def describe_mesh(flat: Mapping[str, Any]) -> dict[str, Any] | list[dict[str, An
 
     seen: list[dict[str, Any]] = []
     for value in flat.values():
-        if isinstance(value, DTensor):
+        if isinstance(value, ShardedTensor):
+            described = value.describe()
+            if described is not None and described not in seen:
+                seen.append(described)
+        elif isinstance(value, DTensor):
             mesh = value.device_mesh
             desc = {"shape": list(mesh.shape),
                     "dim_names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
@@ -173,8 +179,12 @@ class CompatibilityReport:
         return "\n".join(out)
 
 
-def _local_chunks(value: torch.Tensor) -> list[ChunkStorageMetadata] | None:
-    """The regions of the global tensor this rank holds (DTensor), or the whole tensor."""
+def _local_chunks(value: torch.Tensor | ShardedTensor) -> list[ChunkStorageMetadata] | None:
+    """The regions of the global tensor this rank holds (DTensor, sharded), or the whole tensor."""
+    if isinstance(value, ShardedTensor):
+        boxes = dict.fromkeys(info.box for info in value.layout() if info.numel)
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+                for o, s in boxes]
     make = getattr(value, "__create_chunk_list__", None)
     if make is None:
         return [ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=value.shape)]
@@ -197,7 +207,8 @@ def _volume(sizes: Sequence[int]) -> int:
     return n
 
 
-def _reshard(key: str, value: torch.Tensor, saved: TensorStorageMetadata) -> Reshard | None:
+def _reshard(key: str, value: torch.Tensor | ShardedTensor,
+             saved: TensorStorageMetadata) -> Reshard | None:
     local = _local_chunks(value)
     if local is None:
         return None
@@ -218,8 +229,9 @@ def compatibility_report(metadata: Metadata, flat: Mapping[str, Any], saved_worl
     """Compare a checkpoint's metadata with the flat state about to be restored into.
 
     Pure: reads no storage and runs no collective. A tensor in ``flat`` may be a DTensor (its
-    global shape is compared; its local region decides what is resharded) or a plain tensor (the
-    whole tensor is loaded on this rank).
+    global shape is compared; its local region decides what is resharded), a
+    :class:`~ckptmgr.dcp.shards.ShardedTensor` (likewise, with its local shards) or a plain tensor
+    (the whole tensor is loaded on this rank).
 
     Args:
         metadata: the checkpoint's DCP metadata (tensor sizes, dtypes, stored chunks).
@@ -245,7 +257,7 @@ def compatibility_report(metadata: Metadata, flat: Mapping[str, Any], saved_worl
         if saved is None:
             missing.append(key)
             continue
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, (torch.Tensor, ShardedTensor)):
             if not isinstance(saved, TensorStorageMetadata):
                 problems.append(f"{key}: checkpoint holds a Python value, state has a tensor")
                 continue

@@ -6,7 +6,8 @@ so int-keyed dicts are restored in place, and ``Stateful`` objects are resolved 
 - a mapping is always traversed; its keys must be ``str`` or ``int``;
 - a list or tuple is traversed when it holds (at any depth) a tensor or a Stateful, else it is a
   single Python value;
-- everything else is a leaf: a tensor, or a Python value stored as tagged JSON.
+- everything else is a leaf: a tensor (or a :class:`~ckptmgr.dcp.shards.ShardedTensor`), or a
+  Python value stored as tagged JSON.
 The flat key of a leaf is its path joined with '.'. Two paths joining to one key are an error.
 """
 
@@ -19,11 +20,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ckptmgr.dcp.shards import ShardedTensor
 from ckptmgr.errors import ConfigError
 
 __all__ = ["FlatState", "flatten_state", "set_at_path"]
 
 PathKey = str | int
+_TENSORS = (torch.Tensor, ShardedTensor)
 _MAX_DEPTH = 200
 
 
@@ -49,11 +52,11 @@ class FlatState:
 
     def tensor_keys(self) -> list[str]:
         """Flat keys whose leaf is a tensor."""
-        return [k for k, v in self.flat.items() if isinstance(v, torch.Tensor)]
+        return [k for k, v in self.flat.items() if isinstance(v, _TENSORS)]
 
     def value_keys(self) -> list[str]:
         """Flat keys whose leaf is a Python value."""
-        return [k for k, v in self.flat.items() if not isinstance(v, torch.Tensor)]
+        return [k for k, v in self.flat.items() if not isinstance(v, _TENSORS)]
 
     def apply_values(self, values: Mapping[str, Any]) -> None:
         """Set loaded Python values in place, then ``load_state_dict`` every Stateful (deepest
@@ -70,7 +73,7 @@ class FlatState:
 def _holds_tensor(value: Any, depth: int = 0) -> bool:
     if depth > _MAX_DEPTH:
         return False
-    if isinstance(value, (torch.Tensor, Stateful)):
+    if isinstance(value, (torch.Tensor, ShardedTensor, Stateful)):
         return True
     if isinstance(value, Mapping):
         return any(_holds_tensor(v, depth + 1) for v in value.values())
@@ -110,7 +113,7 @@ def flatten_state(state_dict: Mapping[str, Any]) -> FlatState:
              path: tuple[PathKey, ...], depth: int) -> None:
         if depth > _MAX_DEPTH:
             raise ConfigError(f"state_dict is nested deeper than {_MAX_DEPTH} levels")
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, _TENSORS):
             leaf(key_parts, root_index, path, value)
         elif isinstance(value, Stateful) and not isinstance(value, Mapping):
             sd = value.state_dict()
