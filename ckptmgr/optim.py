@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ckptmgr.dcp.xla import is_xla_tensor, zeros_like_sharded
 from ckptmgr.errors import ConfigError
 
 __all__ = ["prime_optimizer"]
@@ -34,7 +35,8 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
     read 1 and moments are zero. Restore a checkpoint into it (``optimizer.load_state_dict`` or an
     in-place ``torch.distributed.checkpoint`` load) before the next real step.
 
-    Works on DTensor (FSDP2) parameters; run it on every rank, as the step may communicate. It
+    Works on DTensor (FSDP2) and XLA SPMD parameters (the new state takes each parameter's
+    sharding); run it on every rank, as the step may communicate. It
     briefly holds one zero gradient and one copy of each parameter being primed, and optimizer step
     hooks fire once.
 
@@ -79,8 +81,12 @@ def _step_on_zero_grads(optimizer: torch.optim.Optimizer, needs_state: list[torc
     try:
         for p in params:
             # A param without a grad is skipped by every torch.optim optimizer: neither stepped nor
-            # given state. zeros_like keeps DTensor placements, dtype and device.
-            p.grad = torch.zeros_like(p) if id(p) in primed_ids else None
+            # given state. zeros_like keeps DTensor placements, dtype and device; on XLA the
+            # sharding must be given explicitly, or the new state would be replicated.
+            if id(p) not in primed_ids:
+                p.grad = None
+            else:
+                p.grad = zeros_like_sharded(p) if is_xla_tensor(p) else torch.zeros_like(p)
         for group in optimizer.param_groups:
             for key in _ZEROED_HYPERPARAMETERS:
                 if key in group:

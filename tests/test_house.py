@@ -104,3 +104,16 @@ def test_imports_flow_down() -> None:
                     problems.append(f"{'/'.join(rel)} (layer {layer}) imports {mod} "
                                     f"(layer {tlayer})")
     assert not problems, "\n".join(problems)
+
+
+def test_torch_xla_is_imported_lazily() -> None:
+    # Importing ckptmgr (manager, planners, the XLA adapter module itself) must not import
+    # torch_xla: only a state holding XLA tensors does.
+    import subprocess
+    import sys
+
+    code = ("import sys, ckptmgr, ckptmgr.dcp.xla, ckptmgr.dcp.spmd; "
+            "assert 'torch_xla' not in sys.modules, 'torch_xla imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr

@@ -196,9 +196,11 @@ class CpuShardedTensor(ShardedTensor):
     ``partition_spec`` gives, per tensor dimension, the mesh axis (an int), several mesh axes (a
     tuple, major first) or None (not split). A dimension of size ``n`` split ``k`` ways is cut into
     tiles of ``ceil(n / k)``; tile ``t`` holds ``[min(t*c, n), min((t+1)*c, n))`` and is padded to
-    ``c`` (so trailing tiles may be short or empty). Mesh axes no dimension uses replicate: their
-    coordinate is the ``replica_id`` (partial replication); with no split dimension at all the
-    tensor is fully replicated and ``replica_id`` is the device id, as XLA reports it.
+    ``c`` (so trailing tiles may be short or empty). Mesh axes no dimension uses replicate: a
+    device's ``replica_id`` is its rank, by device id, among the devices holding the same box
+    (partial replication); with no split dimension at all the tensor is fully replicated and
+    ``replica_id`` is the device id. All as torch_xla 2.9 reports it (checked layout by layout in
+    the XLA lane).
 
     Args:
         tensor: the global value (copied).
@@ -240,7 +242,12 @@ class CpuShardedTensor(ShardedTensor):
         self._dtype = tensor.dtype
         self._infos: list[ShardInfo] = []
         self._data: list[torch.Tensor] = []
-        free_axes = [a for a in range(len(self.mesh_shape)) if a not in used]
+        # XLA lists each replication group's devices in ascending id order (whatever the mesh
+        # order) and a device's replica id is its rank there.
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for position, device in enumerate(ids):
+            coord = _unravel(position, self.mesh_shape)
+            groups.setdefault(tuple(coord[a] for a in used), []).append(device)
         for position, device in enumerate(ids):
             if device not in self.local_devices:
                 continue
@@ -256,8 +263,7 @@ class CpuShardedTensor(ShardedTensor):
                 sizes.append(min(start + chunk, length) - start)
                 padded.append(chunk)
             if used:
-                replica = _ravel([coord[a] for a in free_axes],
-                                 [self.mesh_shape[a] for a in free_axes])
+                replica = sorted(groups[tuple(coord[a] for a in used)]).index(device)
             else:
                 replica = device
             info = ShardInfo(f"cpu:{device}", tuple(offsets), tuple(sizes), tuple(padded),

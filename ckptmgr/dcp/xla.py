@@ -7,8 +7,13 @@ XLA lane (torch 2.9 + torch_xla 2.9, ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=4``; see 
 What torch_xla provides per sharded tensor (``XLAShardedTensor``): its local shards as host copies
 of the padded device buffers, with each shard's device, index slices into the global tensor
 (``Ellipsis`` when replicated) and replica id; and ``_load_local_shards`` to put padded host buffers
-back onto the devices. A tensor with no sharding annotation is replicated: it is read with
-``.cpu()`` and restored with an in-place ``copy_``.
+back onto the devices (padded buffers of the exact dtype; the devices named as
+``_get_local_shards`` names them, e.g. ``"CPU:0"``). A tensor with no sharding annotation, or a
+fully replicated one, is read with one ``.cpu()`` and restored with an in-place ``copy_`` (torch_xla
+refuses ``_load_local_shards`` on replicated tensors).
+
+A pending (not yet executed) tensor reports no sharding until ``torch_xla.sync()``:
+:func:`wrap_xla_tensors` syncs first; anything building :class:`XlaShards` directly must too.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import torch
 from ckptmgr.dcp.shards import ShardedTensor, ShardInfo
 from ckptmgr.errors import BackendNotInstalledError
 
-__all__ = ["XlaShards", "is_xla_tensor", "wrap_xla_tensors"]
+__all__ = ["XlaShards", "is_xla_tensor", "wrap_xla_tensors", "zeros_like_sharded"]
 
 
 def is_xla_tensor(value: Any) -> bool:
@@ -41,7 +46,10 @@ def _torch_xla() -> Any:
 
 
 class XlaShards(ShardedTensor):
-    """A torch_xla tensor (sharded, replicated or plain XLA) seen through the shard interface."""
+    """A torch_xla tensor (sharded, replicated or plain XLA) seen through the shard interface.
+
+    Call ``torch_xla.sync()`` before building one (see the module docstring).
+    """
 
     def __init__(self, tensor: torch.Tensor) -> None:
         txla = _torch_xla()
@@ -50,7 +58,9 @@ class XlaShards(ShardedTensor):
         self._txla = txla
         self.tensor = tensor.global_tensor if isinstance(tensor, XLAShardedTensor) else tensor
         spec = txla._XLAC._get_xla_sharding_spec(self.tensor)
-        self.sharding = str(spec) if spec else ""
+        # "" for replicated data (no annotation, or annotated fully replicated: type 0).
+        replicated = not spec or txla._XLAC._get_xla_sharding_type(self.tensor) == 0
+        self.sharding = "" if replicated else str(spec)
         self._global_shape = torch.Size(self.tensor.shape)
         self._dtype = self.tensor.dtype
         self._shards: list[tuple[torch.Tensor, str]] | None = None
@@ -127,3 +137,13 @@ def wrap_xla_tensors(flat: Mapping[str, Any]) -> dict[str, Any]:
 
         xm.mark_step()
     return {k: XlaShards(v) if is_xla_tensor(v) else v for k, v in flat.items()}
+
+
+def zeros_like_sharded(tensor: torch.Tensor) -> torch.Tensor:
+    """Zeros like an XLA ``tensor``, with its sharding (a plain ``zeros_like`` is unannotated, and
+    optimizer state created from it would be replicated on every device for the whole run)."""
+    txla = _torch_xla()
+    out = torch.zeros_like(tensor)
+    if txla._XLAC._get_xla_sharding_spec(tensor):
+        txla._XLAC._xla_mark_sharding(out, txla._XLAC._get_xla_op_sharding(tensor))
+    return out
