@@ -131,11 +131,14 @@ def wrap_xla_tensors(flat: Mapping[str, Any]) -> dict[str, Any]:
     txla = _torch_xla()
     sync = getattr(txla, "sync", None)
     if sync is not None:
-        sync()
+        # wait=True: sync() only launches the graph, and _get_local_shards/_load_local_shards do
+        # not wait for it ("Trying to access XLA data ... while an async operation is in flight").
+        sync(wait=True)
     else:  # pragma: no cover - torch_xla before 2.6
         import torch_xla.core.xla_model as xm
 
         xm.mark_step()
+        xm.wait_device_ops()
     return {k: XlaShards(v) if is_xla_tensor(v) else v for k, v in flat.items()}
 
 
