@@ -285,3 +285,76 @@ def test_benchmark_end_to_end(tmp_path: Path) -> None:
         assert (out / "bench.png").stat().st_size > 0
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # scratch data removed
     assert took < 60, f"the smoke run took {took:.1f} s"
+
+
+def _depth_reference(data: bytes, limit: int) -> bool:
+    """The byte-by-byte scan check_json_depth replaced: True when ``data`` is too deep."""
+    depth, in_str, escape = 0, False, False
+    for byte in data:
+        if in_str:
+            if escape:
+                escape = False
+            elif byte == 0x5C:
+                escape = True
+            elif byte == 0x22:
+                in_str = False
+        elif byte == 0x22:
+            in_str = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return False
+
+
+def _rejects(data: bytes, limit: int) -> bool:
+    from ckptmgr.manifest import ManifestError, check_json_depth
+
+    try:
+        check_json_depth(data, limit)
+    except ManifestError:
+        return True
+    return False
+
+
+def test_check_json_depth_matches_the_byte_scan() -> None:
+    import random
+
+    rng = random.Random(5)
+
+    def doc(depth: int) -> Any:
+        if depth == 0:
+            return rng.choice([1, "a[b{c\\\"]", None, "}}]]", 2.5, "\\"])
+        if rng.random() < 0.5:
+            return [doc(depth - 1) for _ in range(rng.randint(0, 3))]
+        return {f"k{i}[{{": doc(depth - 1) for i in range(rng.randint(0, 3))}
+
+    for _ in range(300):  # well-formed JSON: exactly the same answers
+        data = json.dumps(doc(rng.randint(0, 8))).encode()
+        for limit in range(0, 10):
+            assert _rejects(data, limit) == _depth_reference(data, limit), (data, limit)
+    alphabet = b'[]{}"\\ax'
+    for _ in range(3000):  # anything: never accepts what the scan rejected
+        data = bytes(rng.choice(alphabet) for _ in range(rng.randint(0, 30)))
+        for limit in (0, 1, 2, 4):
+            if _depth_reference(data, limit):
+                assert _rejects(data, limit), (data, limit)
+
+
+def test_check_json_depth_is_fast_on_large_and_hostile_input() -> None:
+    big = json.dumps({f"k{i}": {"chunks": [[i, i + 1], [0, 4]], "s": "x[" * 5}
+                      for i in range(15000)}).encode()
+    hostile = [big, b'"' + b'\\"' * 400_000 + b"\\", b"[" * 1_000_000, b"[]" * 500_000,
+               b'"' * 1_000_000]
+    assert all(len(data) <= 1 << 20 for data in hostile)  # the fast path
+    t = time.perf_counter()
+    for data in hostile:
+        _rejects(data, 64)
+    assert time.perf_counter() - t < 1.0
+    assert not _rejects(big, 4) and _rejects(big, 3)
+    assert _rejects(b"[" * 1_000_000, 64) and not _rejects(b"[]" * 500_000, 1)
+    # larger input takes the byte scan, with the same answers
+    large = b"[" * 65 + b"1" * (2 << 20) + b"]" * 65
+    assert _rejects(large, 64) and not _rejects(large, 65)

@@ -12,6 +12,10 @@ back onto the devices (padded buffers of the exact dtype; the devices named as
 fully replicated one, is read with one ``.cpu()`` and restored with an in-place ``copy_`` (torch_xla
 refuses ``_load_local_shards`` on replicated tensors).
 
+Cost: torch_xla gives a shard's padded shape and device name only together with its data, so
+:meth:`XlaShards.layout` copies the local shards to the host once per save or restore (on restore
+this is a transient host copy of the current values, freed when the loaded shards go back).
+
 A pending (not yet executed) tensor reports no sharding until ``torch_xla.sync()``:
 :func:`wrap_xla_tensors` syncs first; anything building :class:`XlaShards` directly must too.
 """
