@@ -402,7 +402,11 @@ class CheckpointManager:
             raise RestoreError(f"restore of step {step} failed on rank {rank}: "
                                f"{type(exc).__name__}: {exc}", step=step) from exc
         if isinstance(planner, SpmdLoadPlanner):
-            planner.write_back()
+            try:
+                planner.write_back()
+            except Exception as e:  # e.g. torch_xla refusing a shard: not a raw backend error
+                raise RestoreError(f"restore of step {step}: loading the read shards onto the "
+                                   f"devices failed: {type(e).__name__}: {e}", step=step) from e
         fs.apply_values(planner.values)
         log.info("restored step %d from %s (%d bytes read on this rank)", step,
                  self._storage.url, reader.bytes_read)

@@ -391,3 +391,17 @@ def test_two_hosts_write_each_chunk_once_balanced_and_reshard(tmp_path: Path) ->
     assert torch.equal(out["partial"], _value((90, 40), seed=7))
     assert torch.equal(out["replicated"], _value((600,), seed=8))
     assert os.listdir(root) == ["1"]
+
+
+class _Refusing(CpuShardedTensor):
+    def load_local_shards_(self, data: Any) -> None:
+        raise RuntimeError("device refused the shard")
+
+
+def test_write_back_failure_is_a_restore_error(tmp_path: Path) -> None:
+    from ckptmgr import RestoreError
+
+    with CheckpointManager(str(tmp_path), 1) as mgr:
+        mgr.save(1, {"w": CpuShardedTensor(_value((4, 4)), (2, 2), (0, 1))})
+        with pytest.raises(RestoreError, match="device refused the shard"):
+            mgr.restore(1, {"w": _Refusing(torch.zeros(4, 4), (2, 2), (0, 1))})
