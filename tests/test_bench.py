@@ -358,3 +358,18 @@ def test_check_json_depth_is_fast_on_large_and_hostile_input() -> None:
     # larger input takes the byte scan, with the same answers
     large = b"[" * 65 + b"1" * (2 << 20) + b"]" * 65
     assert _rejects(large, 64) and not _rejects(large, 65)
+
+
+def test_direct_buffer_size_bounds_the_extra_memory() -> None:
+    mib = 1 << 20
+    assert local.direct_buffer_size(None) == local._DIRECT_BUF == 64 * mib
+    assert local.direct_buffer_size(0) == 8 * mib
+    assert local.direct_buffer_size(256 * mib) == 8 * mib
+    assert local.direct_buffer_size(1 << 30) == 32 * mib
+    assert local.direct_buffer_size(2 << 30) == 64 * mib
+    assert local.direct_buffer_size(100 << 30) == 64 * mib
+    for size in (1, 300 * mib + 7, 5 << 30):
+        buf = local.direct_buffer_size(size)
+        assert buf % 4096 == 0
+        # three buffers: at most ~9% of a large file, never more than 192 MiB
+        assert 3 * buf <= max(3 * 8 * mib, size * 3 / 32 + 3 * mib)

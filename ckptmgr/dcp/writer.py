@@ -230,7 +230,9 @@ class CkptStorageWriter(StorageWriter):
                       stop: threading.Event) -> tuple[list[WriteResult], FileEntry]:
         """Write ``items`` in order to data file ``index``; returns their results and the file."""
         name = data_file_name(self.plan.attempt, self.rank, index)
-        writer = self.storage.open_writer(join(self.plan.write_dir, name))
+        writer = self.storage.open_writer(
+            join(self.plan.write_dir, name),
+            size_hint=sum(_item_size(item, encoded) for item in items))
         writev = getattr(writer, "writev", None)
         file_hash = Hasher()
         results: list[WriteResult] = []

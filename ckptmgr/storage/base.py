@@ -75,8 +75,9 @@ class Storage(Protocol):
     def read_into(self, path: str, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` exactly with the bytes of ``path`` starting at ``offset``."""
 
-    def open_writer(self, path: str) -> StorageWriter:
-        """A new file at ``path`` (replacing any), written by chunks."""
+    def open_writer(self, path: str, size_hint: int | None = None) -> StorageWriter:
+        """A new file at ``path`` (replacing any), written by chunks; ``size_hint``: about how
+        many bytes will be written (lets an implementation size its buffers), None if unknown."""
 
     def write_bytes(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         """Write a whole small file atomically (readers see all of it or none).

@@ -564,7 +564,9 @@ class FsspecStorage:
         reader uses it when a storage has one); close it to release its buffers."""
         return _FsspecReader(self, path)
 
-    def open_writer(self, path: str) -> _FileWriter | _S3MultipartWriter:
+    def open_writer(self, path: str,
+                    size_hint: int | None = None) -> _FileWriter | _S3MultipartWriter:
+        # size_hint is not needed: parts and chunks are sized per write.
         self._sizes.pop(self.full(path), None)
         if self._multipart:
             return _S3MultipartWriter(self, path)

@@ -3,9 +3,9 @@
 Large files go to disk at device speed and with little CPU, and never fill the page cache (a
 training job's data-set cache matters more than a checkpoint's):
 - where the file system takes ``O_DIRECT`` (Linux ext4, xfs, ...), the writer copies the bytes into
-  a few page-aligned 64 MiB bounce buffers and one I/O thread writes them with direct I/O: no page
-  cache, so the kernel spends no CPU on copying, dirty accounting, writeback and reclaim (measured
-  here: a third of the CPU of a buffered write);
+  three page-aligned bounce buffers (8-64 MiB: 1/32 of the file) and one I/O thread writes them
+  with direct I/O: no page cache, so the kernel spends no CPU on copying, dirty accounting,
+  writeback and reclaim (measured here: a third of the CPU of a buffered write);
 - elsewhere, buffered writes with early writeback: the kernel is asked to start writing each chunk
   as soon as it is written (``sync_file_range``), at most a bounded window is dirty, and pages
   already on disk are dropped (``posix_fadvise(DONTNEED)``), so the disk is busy from the first
@@ -50,8 +50,10 @@ DIRECT_IO = True
 _DIRECT_ALIGN = 4096  # offsets, lengths and addresses: a multiple of every common block size
 # 64 MiB writes: on this machine's throttled virtio disk the floor took 3.3 s/GiB with 8 MiB writes
 # and 1.9 s/GiB with 64 MiB; our save went from 1.96x to 1.15x the floor (2 GiB, performance.md).
-# Anonymous maps: a small file only touches the pages it fills.
+# The buffers (three) are host memory on top of the state being saved: sized to 1/32 of the file,
+# between _DIRECT_BUF_MIN and _DIRECT_BUF, they add at most ~9% of the file and 192 MiB.
 _DIRECT_BUF = 64 * 1024 * 1024
+_DIRECT_BUF_MIN = 8 * 1024 * 1024
 _DIRECT_NBUF = 3  # one being filled, one being written, one spare
 
 
@@ -177,6 +179,16 @@ class _LocalWriter:
             os.unlink(self._abs)
 
 
+def direct_buffer_size(size_hint: int | None) -> int:
+    """Bytes per direct-I/O buffer for a file of about ``size_hint`` bytes (None: the largest):
+    1/32 of it, rounded up to whole MiB, between ``_DIRECT_BUF_MIN`` and ``_DIRECT_BUF``."""
+    if size_hint is None:
+        return _DIRECT_BUF
+    mib = 1 << 20
+    want = -(-max(size_hint, 0) // 32 // mib) * mib
+    return max(min(_DIRECT_BUF_MIN, _DIRECT_BUF), min(want, _DIRECT_BUF))
+
+
 class _DirectWriter:
     """A file written with ``O_DIRECT`` through page-aligned bounce buffers (module docstring).
 
@@ -185,12 +197,14 @@ class _DirectWriter:
     error is kept and raised by the next ``write`` or by ``commit``.
     """
 
-    def __init__(self, storage: LocalStorage, path: str, fd: int) -> None:
+    def __init__(self, storage: LocalStorage, path: str, fd: int,
+                 bufsize: int = _DIRECT_BUF) -> None:
+        self._bufsize = bufsize
         self._storage = storage
         self._path = path
         self._abs = storage.abspath(path)
         self._fd: int | None = fd
-        self._maps = [mmap.mmap(-1, _DIRECT_BUF) for _ in range(_DIRECT_NBUF)]
+        self._maps = [mmap.mmap(-1, bufsize) for _ in range(_DIRECT_NBUF)]
         self._views = [memoryview(m) for m in self._maps]
         self._addrs = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in self._maps]
         self._free: queue.Queue[int] = queue.Queue()
@@ -215,7 +229,7 @@ class _DirectWriter:
             mv = memoryview(b).cast("B")
             pos, n = 0, len(mv)
             while pos < n:
-                take = min(n - pos, _DIRECT_BUF - self._fill)
+                take = min(n - pos, self._bufsize - self._fill)
                 piece = mv[pos:pos + take]
                 if piece.readonly:
                     self._views[self._cur][self._fill:self._fill + take] = piece
@@ -225,7 +239,7 @@ class _DirectWriter:
                 self._fill += take
                 self._size += take
                 pos += take
-                if self._fill == _DIRECT_BUF:
+                if self._fill == self._bufsize:
                     self._submit(self._fill)
 
     def _submit(self, n: int) -> None:
@@ -462,8 +476,10 @@ class LocalStorage:
         """``path`` opened for repeated range reads (close it, or use it as a context manager)."""
         return LocalReader(self, path)
 
-    def open_writer(self, path: str) -> _LocalWriter | _DirectWriter:
-        """A new file at ``path``: direct I/O where the file system takes it, else buffered."""
+    def open_writer(self, path: str,
+                    size_hint: int | None = None) -> _LocalWriter | _DirectWriter:
+        """A new file at ``path``: direct I/O where the file system takes it, else buffered.
+        ``size_hint`` sizes the direct-I/O buffers (:func:`direct_buffer_size`)."""
         if DIRECT_IO and _O_DIRECT:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _O_DIRECT
             try:
@@ -473,7 +489,7 @@ class LocalStorage:
                     raise StorageError(f"open for writing failed for {self.url}/{path}: "
                                        f"{e.strerror or e}") from e
             else:
-                return _DirectWriter(self, path, fd)
+                return _DirectWriter(self, path, fd, direct_buffer_size(size_hint))
         return _LocalWriter(self, path)
 
     def write_bytes(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
