@@ -89,7 +89,7 @@ def _cases(rank: int, world: int, root: str) -> dict[str, Any]:
                                     for k in target["w"])
 
         # -- a write failure on rank 1 only
-        def failing_writer(self: Any, path: str) -> Any:
+        def failing_writer(self: Any, path: str, size_hint: int | None = None) -> Any:
             raise OSError(f"injected write failure for {path}")
 
         with _patched(LocalStorage, "open_writer", failing_writer, rank == 1):
