@@ -66,6 +66,8 @@ class Stager:
         out: dict[str, Any] = {}
         accelerator = False
         for key, value in flat.items():
+            if not isinstance(value, ShardedTensor):
+                self._shard_buffers.pop(key, None)  # the key held a sharded tensor before
             if isinstance(value, DTensor):
                 local = value.to_local()
                 buf = self._buffer(key, local)

@@ -427,7 +427,7 @@ class CheckpointManager:
 
     def _spmd(self, flat: Mapping[str, Any]) -> bool:
         return self.config.planner == "xla_spmd" or (
-            self.config.planner == "auto" and has_sharded(dict(flat)))
+            self.config.planner == "auto" and has_sharded(flat))
 
     def _save_planner_for(self, flat: Mapping[str, Any]) -> CkptSavePlanner:
         if not self._spmd(flat):

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptmgr.dcp.shards import ShardedTensor
+from ckptmgr.dcp.shards import ShardedTensor, distinct_boxes
 
 __all__ = ["CompatibilityReport", "Reshard", "compatibility_report", "describe_mesh"]
 
@@ -182,9 +182,8 @@ class CompatibilityReport:
 def _local_chunks(value: torch.Tensor | ShardedTensor) -> list[ChunkStorageMetadata] | None:
     """The regions of the global tensor this rank holds (DTensor, sharded), or the whole tensor."""
     if isinstance(value, ShardedTensor):
-        boxes = dict.fromkeys(info.box for info in value.layout() if info.numel)
         return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
-                for o, s in boxes]
+                for o, s in distinct_boxes(value.layout())]
     make = getattr(value, "__create_chunk_list__", None)
     if make is None:
         return [ChunkStorageMetadata(offsets=torch.Size([0] * value.dim()), sizes=value.shape)]

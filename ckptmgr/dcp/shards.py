@@ -30,10 +30,13 @@ import torch
 
 __all__ = [
     "CpuShardedTensor",
+    "KnownShapeShards",
     "ShardInfo",
     "ShardedTensor",
     "StagedShards",
+    "box_slices",
     "coverage_problem",
+    "distinct_boxes",
     "distinct_shards",
     "unpadded",
 ]
@@ -68,6 +71,11 @@ class ShardInfo:
     def box(self) -> Box:
         """``(offsets, sizes)``: equal boxes mean replicas of the same data."""
         return self.offsets, self.sizes
+
+
+def box_slices(offsets: Sequence[int], sizes: Sequence[int]) -> tuple[slice, ...]:
+    """The index of box ``[offsets, offsets + sizes)`` in the global tensor."""
+    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
 
 
 def unpadded(data: torch.Tensor, info: ShardInfo) -> torch.Tensor:
@@ -126,6 +134,22 @@ class ShardedTensor(abc.ABC):
                 f"local_shards={len(self.layout())})")
 
 
+class KnownShapeShards(ShardedTensor):
+    """A :class:`ShardedTensor` whose global shape and dtype are fixed at construction."""
+
+    def __init__(self, global_shape: Sequence[int], dtype: torch.dtype) -> None:
+        self._global_shape = torch.Size(global_shape)
+        self._dtype = dtype
+
+    @property
+    def global_shape(self) -> torch.Size:
+        return self._global_shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+
 def distinct_shards(layout: Sequence[ShardInfo], global_shape: Sequence[int]) -> list[int]:
     """Indices into ``layout`` of one shard per distinct box (the lowest replica id; ties: the
     first), empty boxes left out. A tensor with no elements keeps one shard (its metadata must
@@ -142,10 +166,15 @@ def distinct_shards(layout: Sequence[ShardInfo], global_shape: Sequence[int]) ->
     return sorted(best.values())
 
 
+def distinct_boxes(layout: Sequence[ShardInfo]) -> list[Box]:
+    """The distinct non-empty boxes of ``layout``, in first-seen order."""
+    return list(dict.fromkeys(info.box for info in layout if info.numel))
+
+
 def _first_missing(shape: Sequence[int], boxes: Sequence[Box]) -> tuple[int, ...] | None:
     mask = torch.zeros(tuple(shape), dtype=torch.bool)
     for offsets, sizes in boxes:
-        mask[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))] = True
+        mask[box_slices(offsets, sizes)] = True
     missing = (~mask).nonzero()
     return tuple(int(v) for v in missing[0]) if len(missing) else None
 
@@ -190,7 +219,7 @@ def coverage_problem(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     return msg
 
 
-class CpuShardedTensor(ShardedTensor):
+class CpuShardedTensor(KnownShapeShards):
     """A CPU model of an XLA SPMD sharded tensor: shards laid out exactly as XLA does.
 
     ``partition_spec`` gives, per tensor dimension, the mesh axis (an int), several mesh axes (a
@@ -238,8 +267,7 @@ class CpuShardedTensor(ShardedTensor):
         self.partition_spec = tuple(spec)
         self.device_ids = tuple(ids)
         self.local_devices = tuple(ids if local_devices is None else local_devices)
-        self._global_shape = torch.Size(tensor.shape)
-        self._dtype = tensor.dtype
+        super().__init__(tensor.shape, tensor.dtype)
         self._infos: list[ShardInfo] = []
         self._data: list[torch.Tensor] = []
         # XLA lists each replication group's devices in ascending id order (whatever the mesh
@@ -269,18 +297,9 @@ class CpuShardedTensor(ShardedTensor):
             info = ShardInfo(f"cpu:{device}", tuple(offsets), tuple(sizes), tuple(padded),
                              replica)
             buf = torch.zeros(info.padded_sizes, dtype=tensor.dtype)
-            unpadded(buf, info).copy_(
-                tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))])
+            unpadded(buf, info).copy_(tensor[box_slices(offsets, sizes)])
             self._infos.append(info)
             self._data.append(buf)
-
-    @property
-    def global_shape(self) -> torch.Size:
-        return self._global_shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
 
     def layout(self) -> list[ShardInfo]:
         return list(self._infos)
@@ -308,8 +327,7 @@ class CpuShardedTensor(ShardedTensor):
         """Assemble the global tensor from the local shards (every element must be local)."""
         out = torch.zeros(self._global_shape, dtype=self._dtype)
         for info, buf in zip(self._infos, self._data, strict=True):
-            out[tuple(slice(o, o + s) for o, s in zip(info.offsets, info.sizes, strict=True))] = (
-                unpadded(buf, info))
+            out[box_slices(info.offsets, info.sizes)] = unpadded(buf, info)
         return out
 
 
@@ -328,7 +346,7 @@ def _ravel(coord: Sequence[int], shape: Sequence[int]) -> int:
     return index
 
 
-class StagedShards(ShardedTensor):
+class StagedShards(KnownShapeShards):
     """Host copies of one shard per distinct box of a :class:`ShardedTensor` (save only).
 
     Made by :meth:`stage` into buffers the caller may reuse across saves; replicas are not copied.
@@ -337,8 +355,7 @@ class StagedShards(ShardedTensor):
     def __init__(self, global_shape: torch.Size, dtype: torch.dtype,
                  infos: Sequence[ShardInfo], data: Sequence[torch.Tensor],
                  mesh: dict[str, Any] | None = None) -> None:
-        self._global_shape = global_shape
-        self._dtype = dtype
+        super().__init__(global_shape, dtype)
         self._infos = list(infos)
         self._data = list(data)
         self._mesh = mesh
@@ -367,14 +384,6 @@ class StagedShards(ShardedTensor):
         for box in set(buffers) - {info.box for info in infos}:
             del buffers[box]
         return cls(source.global_shape, source.dtype, infos, data, source.describe())
-
-    @property
-    def global_shape(self) -> torch.Size:
-        return self._global_shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
 
     def layout(self) -> list[ShardInfo]:
         return list(self._infos)

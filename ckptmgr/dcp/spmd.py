@@ -21,6 +21,7 @@ then pads each local shard and hands them to ``load_local_shards_`` (replicas ge
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -42,13 +43,19 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
-from ckptmgr.dcp.shards import ShardedTensor, coverage_problem, distinct_shards, unpadded
+from ckptmgr.dcp.shards import (
+    ShardedTensor,
+    coverage_problem,
+    distinct_boxes,
+    distinct_shards,
+    unpadded,
+)
 from ckptmgr.errors import SaveError, StateMismatchError
 
 __all__ = ["SpmdLoadPlanner", "SpmdSavePlanner", "has_sharded"]
 
 
-def has_sharded(flat: dict[str, Any]) -> bool:
+def has_sharded(flat: Mapping[str, Any]) -> bool:
     """Whether a flat state holds any :class:`ShardedTensor`."""
     return any(isinstance(v, ShardedTensor) for v in flat.values())
 
@@ -57,10 +64,6 @@ def _split(state_dict: dict[str, Any]) -> tuple[dict[str, ShardedTensor], dict[s
     sharded = {k: v for k, v in state_dict.items() if isinstance(v, ShardedTensor)}
     rest = {k: v for k, v in state_dict.items() if k not in sharded}
     return sharded, rest
-
-
-def _box_slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
 
 
 class SpmdSavePlanner(CkptSavePlanner):
@@ -115,21 +118,22 @@ class SpmdSavePlanner(CkptSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """(coordinator) Check that every tensor is covered exactly once, then dedup and plan."""
-        boxes: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], None]] = {}
+        # coverage_problem drops repeated boxes (replicas held by several ranks) itself.
+        boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
         shapes: dict[str, torch.Size] = {}
         for plan in all_plans:
             for item in plan.items:
                 td = item.tensor_data
                 if item.type != WriteItemType.SHARD or td is None:
                     continue
-                boxes.setdefault(item.index.fqn, {})[
-                    (tuple(td.chunk.offsets), tuple(td.chunk.sizes))] = None
+                boxes.setdefault(item.index.fqn, []).append(
+                    (tuple(td.chunk.offsets), tuple(td.chunk.sizes)))
                 shapes[item.index.fqn] = td.size
         for fqn in [*self._sharded, *(k for k in boxes if k not in self._sharded)]:
             if fqn not in boxes:
                 raise SaveError(f"sharded tensor {fqn!r} has no shard on any rank: nothing of "
                                 "it would be saved")
-            problem = coverage_problem(shapes[fqn], list(boxes[fqn]))
+            problem = coverage_problem(shapes[fqn], boxes[fqn])
             if problem is not None:
                 raise SaveError(f"refusing to save sharded tensor {fqn!r} of shape "
                                 f"{list(shapes[fqn])}: {problem}")
@@ -191,7 +195,7 @@ class SpmdLoadPlanner(CkptLoadPlanner):
                     f"{fqn!r}: checkpoint has {list(md.size)} {md.properties.dtype}, the state "
                     f"has {list(st.global_shape)} {st.dtype}")
             layout = st.layout()
-            boxes = list(dict.fromkeys(info.box for info in layout if info.numel))
+            boxes = distinct_boxes(layout)
             self._boxes[fqn] = boxes
             self._buffers[fqn] = [torch.empty(sizes, dtype=st.dtype) for _, sizes in boxes]
             chunks = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))

@@ -183,8 +183,11 @@ class CkptStorageWriter(StorageWriter):
                 obj = planner.lookup_object(item.index)  # type: ignore[attr-defined]
                 encoded[item.index] = self._encode_object(item.index.fqn, obj)
         items = list(plan.items)
-        starts = split_runs([_item_size(i, encoded) for i in items], self.num_threads)
-        runs = [items[a:b] for a, b in zip(starts, [*starts[1:], len(items)], strict=True)]
+        sizes = [_item_size(i, encoded) for i in items]
+        starts = split_runs(sizes, self.num_threads)
+        bounds = list(zip(starts, [*starts[1:], len(items)], strict=True))
+        runs = [items[a:b] for a, b in bounds]
+        run_bytes = [sum(sizes[a:b]) for a, b in bounds]
         stop = threading.Event()
         outcome: list[tuple[list[WriteResult], FileEntry] | BaseException | None] = (
             [None] * len(runs))
@@ -193,7 +196,8 @@ class CkptStorageWriter(StorageWriter):
             try:
                 if threaded:
                     lower_thread_priority(self.io_nice)
-                outcome[index] = self._write_stream(index, runs[index], planner, encoded, stop)
+                outcome[index] = self._write_stream(index, runs[index], run_bytes[index], planner,
+                                                    encoded, stop)
             except BaseException as e:
                 stop.set()
                 outcome[index] = e
@@ -225,14 +229,13 @@ class CkptStorageWriter(StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _write_stream(self, index: int, items: list[WriteItem], planner: SavePlanner,
+    def _write_stream(self, index: int, items: list[WriteItem], nbytes: int, planner: SavePlanner,
                       encoded: Mapping[MetadataIndex, tuple[bytes, str]],
                       stop: threading.Event) -> tuple[list[WriteResult], FileEntry]:
-        """Write ``items`` in order to data file ``index``; returns their results and the file."""
+        """Write ``items`` (about ``nbytes``) in order to data file ``index``; returns their
+        results and the file."""
         name = data_file_name(self.plan.attempt, self.rank, index)
-        writer = self.storage.open_writer(
-            join(self.plan.write_dir, name),
-            size_hint=sum(_item_size(item, encoded) for item in items))
+        writer = self.storage.open_writer(join(self.plan.write_dir, name), size_hint=nbytes)
         writev = getattr(writer, "writev", None)
         file_hash = Hasher()
         results: list[WriteResult] = []

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ckptmgr.dcp.shards import ShardedTensor, ShardInfo
+from ckptmgr.dcp.shards import KnownShapeShards, ShardInfo
 from ckptmgr.errors import BackendNotInstalledError
 
 __all__ = ["XlaShards", "is_xla_tensor", "wrap_xla_tensors", "zeros_like_sharded"]
@@ -49,7 +49,7 @@ def _torch_xla() -> Any:
     return torch_xla
 
 
-class XlaShards(ShardedTensor):
+class XlaShards(KnownShapeShards):
     """A torch_xla tensor (sharded, replicated or plain XLA) seen through the shard interface.
 
     Call ``torch_xla.sync()`` before building one (see the module docstring).
@@ -61,22 +61,13 @@ class XlaShards(ShardedTensor):
 
         self._txla = txla
         self.tensor = tensor.global_tensor if isinstance(tensor, XLAShardedTensor) else tensor
+        super().__init__(self.tensor.shape, self.tensor.dtype)
         spec = txla._XLAC._get_xla_sharding_spec(self.tensor)
         # "" for replicated data (no annotation, or annotated fully replicated: type 0).
         replicated = not spec or txla._XLAC._get_xla_sharding_type(self.tensor) == 0
         self.sharding = "" if replicated else str(spec)
-        self._global_shape = torch.Size(self.tensor.shape)
-        self._dtype = self.tensor.dtype
         self._shards: list[tuple[torch.Tensor, str]] | None = None
         self._layout: list[ShardInfo] | None = None
-
-    @property
-    def global_shape(self) -> torch.Size:
-        return self._global_shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
 
     def _fetch(self) -> list[tuple[torch.Tensor, str]]:
         if self._shards is None:
