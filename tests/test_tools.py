@@ -42,6 +42,8 @@ from ckptmgr.dcp.planner import CkptSavePlanner
 from ckptmgr.dcp.writer import CkptStorageWriter, CommitPlan
 from ckptmgr.layout import new_attempt_id, staging_dir_name
 from ckptmgr.storage import open_storage
+from ckptmgr.tools import dcp_import
+from ckptmgr.tools import export as tools_export
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -363,7 +365,7 @@ def test_export_consolidates_shards(ckpt: str, tmp_path: Path) -> None:
 
 def test_export_streams_tensor_by_tensor(ckpt: str, tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    original = tools._TensorSource.tensor
+    original = tools_export._TensorSource.tensor
     alive: list[weakref.ref[torch.Tensor]] = []
 
     def tracked(self: Any, key: str, meta: Any) -> torch.Tensor:
@@ -372,7 +374,7 @@ def test_export_streams_tensor_by_tensor(ckpt: str, tmp_path: Path,
         alive.append(weakref.ref(t))
         return t
 
-    monkeypatch.setattr(tools._TensorSource, "tensor", tracked)
+    monkeypatch.setattr(tools_export._TensorSource, "tensor", tracked)
     for name in ("a.safetensors", "a.pt"):
         tools.export_step(ckpt, 40, tmp_path / name)
     assert len(alive) == 2 * 6
@@ -476,7 +478,7 @@ def test_import_dcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         tools.import_dcp(src, root, 7)
     assert not os.path.exists(root)  # refused before any I/O
 
-    monkeypatch.setattr(tools, "_IMPORT_BATCH", 100)  # several DCP reads, one tensor each
+    monkeypatch.setattr(dcp_import, "_IMPORT_BATCH", 100)  # several DCP reads, one tensor each
     rec = Recorder()
     info = tools.import_dcp(src, root, 7, trusted=True, metrics={"loss": 0.5}, progress=rec)
     assert info.step == 7 and info.world_size == 1 and info.metrics == {"loss": 0.5}

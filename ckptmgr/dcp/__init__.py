@@ -1,7 +1,12 @@
 """The DCP core: our StorageWriter/StorageReader over :mod:`ckptmgr.storage`, planners, the state
 flattening that keeps Python values out of pickle, the model/optimizer ``Stateful`` for FSDP2, HSDP,
-DDP and plain models, and the compatibility report of a restore."""
+DDP and plain models, the compatibility report of a restore, and the byte-level pieces the layers
+above read checkpoints with (checksums, tensor byte views, the JSON metadata codec, DCP's save and
+load entry points)."""
 
+from ckptmgr.dcp._bytes import Hasher, checksum, tensor_memoryview
+from ckptmgr.dcp._compat import dcp_load, dcp_save
+from ckptmgr.dcp._metadata_json import ItemLocation, decode_metadata, dtype_name
 from ckptmgr.dcp.fsdp import ModelOptimizerState
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
 from ckptmgr.dcp.reader import CkptStorageReader
@@ -15,6 +20,14 @@ __all__ = [
     "CkptStorageWriter",
     "CommitPlan",
     "CompatibilityReport",
+    "Hasher",
+    "ItemLocation",
     "ModelOptimizerState",
+    "checksum",
     "compatibility_report",
+    "dcp_load",
+    "dcp_save",
+    "decode_metadata",
+    "dtype_name",
+    "tensor_memoryview",
 ]

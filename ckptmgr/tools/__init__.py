@@ -1,0 +1,71 @@
+"""Operator tools over a checkpoint root: list, inspect, verify, prune, export, copy and import.
+
+These are the library functions behind the ``ckptmgr`` command line (see ``docs/cli.md``); each
+can be called from Python too::
+
+    from ckptmgr import tools
+
+    for s in tools.list_steps("gs://bucket/run-7"):
+        print(s.step, s.committed, s.total_bytes)
+    report = tools.verify_steps("/ckpt/run-7", all_steps=True)
+    tools.export_step("/ckpt/run-7", 1000, "model.safetensors", only="model", dtype="bf16")
+    tools.import_dcp("/ckpt/dcp-run/step-500", "/ckpt/run-7", 500, trusted=True)
+
+Every function is local (no process group) and works on any storage the library supports. They
+read manifests and metadata as the manager does: JSON only, every path checked to stay inside its
+step directory; only :func:`import_dcp` runs pickle (DCP's own ``.metadata``), and only with
+``trusted=True``. Errors are :class:`~ckptmgr.errors.CkptmgrError` subclasses naming the step and
+the file.
+
+What they must not break (DESIGN.md sections 5 and 7):
+- :func:`prune_steps` uses the library's retention policies and never deletes the newest committed
+  step; a step is deleted manifest first, then its files.
+- :func:`copy_steps` and :func:`import_dcp` write a step's files first and its manifest last (a
+  staging directory renamed into place on POSIX, the manifest object written last on object
+  stores), so a crash leaves an uncommitted leftover, never a listed step with missing files.
+- Nothing here holds more than about the largest tensor (export, import) or one read buffer
+  (verify, copy) in memory.
+
+One module per command family: :mod:`~ckptmgr.tools.inspect` (list, inspect, verify),
+:mod:`~ckptmgr.tools.prune`, :mod:`~ckptmgr.tools.export` (with the file formats in
+``_formats``), :mod:`~ckptmgr.tools.copy` and :mod:`~ckptmgr.tools.dcp_import`; what they share
+is in ``_common``.
+"""
+
+from ckptmgr.tools._common import Progress, format_bytes
+from ckptmgr.tools.copy import CopyResult, copy_steps
+from ckptmgr.tools.dcp_import import import_dcp
+from ckptmgr.tools.export import ExportResult, export_step
+from ckptmgr.tools.inspect import (
+    Problem,
+    StepDetails,
+    StepListing,
+    StepVerification,
+    TensorEntry,
+    ValueEntry,
+    inspect_step,
+    list_steps,
+    verify_steps,
+)
+from ckptmgr.tools.prune import PruneResult, prune_steps
+
+__all__ = [
+    "CopyResult",
+    "ExportResult",
+    "Problem",
+    "Progress",
+    "PruneResult",
+    "StepDetails",
+    "StepListing",
+    "StepVerification",
+    "TensorEntry",
+    "ValueEntry",
+    "copy_steps",
+    "export_step",
+    "format_bytes",
+    "import_dcp",
+    "inspect_step",
+    "list_steps",
+    "prune_steps",
+    "verify_steps",
+]

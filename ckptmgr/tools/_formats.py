@@ -1,0 +1,167 @@
+"""The two export formats, written tensor by tensor so that no state dict exists in memory.
+
+- safetensors: :func:`safetensors_header`, then each tensor's bytes in order.
+- ``torch.save``'s zip layout (what ``torch.load(path, weights_only=True)`` reads): a
+  ``data.pkl`` record written opcode by opcode (:func:`pt_data_pkl`), then one stored, 64-byte
+  aligned record per tensor (:class:`PtWriter`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import struct
+import zipfile
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ckptmgr.dcp import dtype_name
+from ckptmgr.errors import ConfigError
+
+__all__ = ["OutTensor", "PtWriter", "pt_data_pkl", "safetensors_header"]
+
+_SAFETENSORS_DTYPES = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32",
+    "int64": "I64", "uint16": "U16", "uint32": "U32", "uint64": "U64", "float16": "F16",
+    "bfloat16": "BF16", "float32": "F32", "float64": "F64", "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ",
+}
+# torch.save names a storage by its legacy class where one exists, else by the dtype itself.
+_PT_STORAGE_TYPES = {
+    "float32": "FloatStorage", "float64": "DoubleStorage", "float16": "HalfStorage",
+    "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
+    "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage",
+    "complex64": "ComplexFloatStorage", "complex128": "ComplexDoubleStorage",
+}
+
+
+class OutTensor(Protocol):
+    """One tensor as it goes into the output file."""
+
+    @property
+    def key(self) -> str:
+        """Its flat key in the checkpoint (named in errors)."""
+
+    @property
+    def name(self) -> str:
+        """Its name in the output file."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Its shape."""
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """Its dtype in the output file."""
+
+    @property
+    def out_nbytes(self) -> int:
+        """Its bytes in the output file."""
+
+
+def safetensors_header(planned: Sequence[OutTensor], step: int) -> bytes:
+    """The length-prefixed JSON header of a safetensors file holding ``planned`` in order."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "ckptmgr_step": str(step)}}
+    pos = 0
+    for t in planned:
+        code = _SAFETENSORS_DTYPES.get(dtype_name(t.out_dtype))
+        if code is None:
+            raise ConfigError(f"{t.key!r} has dtype {dtype_name(t.out_dtype)}, which safetensors "
+                              "cannot store; export to .pt instead")
+        header[t.name] = {"dtype": code, "shape": list(t.shape),
+                          "data_offsets": [pos, pos + t.out_nbytes]}
+        pos += t.out_nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _pickle_int(n: int) -> bytes:
+    if 0 <= n < 256:
+        return pickle.BININT1 + bytes([n])
+    if -(2**31) <= n < 2**31:
+        return pickle.BININT + struct.pack("<i", n)
+    raw = n.to_bytes((n.bit_length() + 8) // 8, "little", signed=True)
+    return pickle.LONG1 + bytes([len(raw)]) + raw
+
+
+def _pickle_str(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return pickle.BINUNICODE + struct.pack("<I", len(raw)) + raw
+
+
+def _pickle_tuple(items: Sequence[int]) -> bytes:
+    return pickle.MARK + b"".join(_pickle_int(i) for i in items) + pickle.TUPLE
+
+
+def pt_data_pkl(planned: Sequence[OutTensor]) -> bytes:
+    """The ``data.pkl`` record torch.save writes for a dict of contiguous CPU tensors.
+
+    Written opcode by opcode (protocol 2, as torch.save) so that no tensor has to exist in memory:
+    ``{name: _rebuild_tensor_v2(<storage key i>, 0, shape, stride, False, OrderedDict())}`` with
+    persistent ids ``("storage", torch.<Type>Storage, "<i>", "cpu", numel)``.
+    """
+    out = [pickle.PROTO + b"\x02", pickle.EMPTY_DICT, pickle.MARK]
+    for i, t in enumerate(planned):
+        shape = t.shape
+        stride = [0] * len(shape)
+        acc = 1
+        for d in range(len(shape) - 1, -1, -1):
+            stride[d] = acc
+            acc *= shape[d]
+        dname = dtype_name(t.out_dtype)
+        storage_type = _PT_STORAGE_TYPES.get(dname, dname)
+        out += [
+            _pickle_str(t.name),
+            pickle.GLOBAL + b"torch._utils\n_rebuild_tensor_v2\n",
+            pickle.MARK,
+            pickle.MARK, _pickle_str("storage"),
+            pickle.GLOBAL + f"torch\n{storage_type}\n".encode("ascii"),
+            _pickle_str(str(i)), _pickle_str("cpu"), _pickle_int(math.prod(shape)), pickle.TUPLE,
+            pickle.BINPERSID,
+            _pickle_int(0), _pickle_tuple(shape), _pickle_tuple(stride), pickle.NEWFALSE,
+            pickle.GLOBAL + b"collections\nOrderedDict\n", pickle.EMPTY_TUPLE, pickle.REDUCE,
+            pickle.TUPLE, pickle.REDUCE,
+        ]
+    out += [pickle.SETITEMS, pickle.STOP]
+    return b"".join(out)
+
+
+class PtWriter:
+    """Writes torch.save's zip layout record by record (stored, tensor data 64-byte aligned)."""
+
+    _ALIGN = 64
+    _ZIP64_LIMIT = (1 << 31) - 1
+
+    def __init__(self, f: Any, archive: str) -> None:
+        self.f = f
+        self.archive = archive
+        self.zf = zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
+
+    def _info(self, name: str, size: int, *, align: bool) -> zipfile.ZipInfo:
+        info = zipfile.ZipInfo(f"{self.archive}/{name}", date_time=(1980, 1, 1, 0, 0, 0))
+        info.compress_type = zipfile.ZIP_STORED
+        info.file_size = size
+        if align:
+            # Pad the local header's extra field (id "FB", as torch does) so data starts aligned.
+            zip64 = size * 1.05 > self._ZIP64_LIMIT
+            base = self.f.tell() + 30 + len(info.filename.encode("utf-8")) + (20 if zip64 else 0)
+            pad = -base % self._ALIGN
+            if 0 < pad < 4:
+                pad += self._ALIGN
+            if pad:
+                info.extra = struct.pack("<HH", 0x4246, pad - 4) + b"\0" * (pad - 4)
+        return info
+
+    def record(self, name: str, data: bytes) -> None:
+        self.zf.writestr(self._info(name, len(data), align=False), data)
+
+    def tensor_record(self, name: str, size: int) -> Any:
+        return self.zf.open(self._info(name, size, align=True), "w")
+
+    def close(self) -> None:
+        self.zf.close()

@@ -1,0 +1,193 @@
+"""Copying committed steps from one root to another, checksums checked on the way, the manifest
+written last."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ckptmgr.dcp import Hasher
+from ckptmgr.errors import (
+    CheckpointExistsError,
+    CkptmgrError,
+    ConfigError,
+    CorruptCheckpointError,
+    StorageError,
+)
+from ckptmgr.layout import MANIFEST_NAME, join, new_attempt_id, staging_dir_name, step_dir_name
+from ckptmgr.manifest import Manifest
+from ckptmgr.storage import Storage, open_storage
+from ckptmgr.tools._common import (
+    _CHUNK,
+    Progress,
+    _check_step,
+    _committed,
+    _file_sizes,
+    _not_found,
+    _phase,
+    _read_manifest,
+    format_bytes,
+)
+
+__all__ = ["CopyResult", "copy_steps"]
+
+
+@dataclass(frozen=True)
+class CopyResult:
+    """One step handled by :func:`copy_steps`: ``"copied"`` or ``"skipped"`` (already there)."""
+
+    step: int
+    status: str
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"step": self.step, "status": self.status, "bytes": self.nbytes}
+
+
+def _same_root(a: Storage, b: Storage) -> bool:
+    ra, rb = getattr(a, "root", None), getattr(b, "root", None)
+    return type(a) is type(b) and ra is not None and ra == rb and (
+        getattr(a, "fs", None) is getattr(b, "fs", None))
+
+
+def _copy_file(src: Storage, src_path: str, dst: Storage, dst_path: str, size: int,
+               expected: str, step: int, name: str, p: Progress) -> None:
+    writer = dst.open_writer(dst_path)
+    try:
+        hasher = Hasher()
+        pos = 0
+        while pos < size:
+            n = min(_CHUNK, size - pos)
+            data = src.read_bytes(src_path, pos, n)
+            hasher.update(data)
+            writer.write(data)
+            pos += n
+            p.advance(n)
+        if hasher.value() != expected:
+            raise CorruptCheckpointError(
+                f"step {step}: {name}: checksum of the source is {hasher.value()}, the manifest "
+                f"says {expected}; nothing was committed at the destination", step=step, path=name)
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _copy_one(src: Storage, dst: Storage, step: int, manifest: Manifest, raw: bytes,
+              p: Progress) -> None:
+    sdir = step_dir_name(step)
+    sizes = _file_sizes(src, sdir, [f.path for f in manifest.files])
+    for f in manifest.files:
+        if sizes[f.path] != f.size:
+            what = "file is missing" if sizes[f.path] is None else (
+                f"size is {sizes[f.path]} bytes, the manifest says {f.size}")
+            raise CorruptCheckpointError(f"step {step}: {f.path}: {what} at the source",
+                                         step=step, path=f.path)
+    staged = dst.supports_rename
+    write_dir = staging_dir_name(step, new_attempt_id()) if staged else sdir
+    written: list[str] = []
+    try:
+        dst.makedirs(write_dir)
+        for f in manifest.files:
+            target = join(write_dir, f.path)
+            if "/" in f.path:
+                dst.makedirs(target.rsplit("/", 1)[0])
+            written.append(target)
+            _copy_file(src, join(sdir, f.path), dst, target, f.size, f.checksum, step, f.path, p)
+        got = _file_sizes(dst, write_dir, [f.path for f in manifest.files])
+        for f in manifest.files:
+            if got[f.path] != f.size:
+                raise StorageError(f"copy of step {step}: {f.path} has {got[f.path]} bytes at "
+                                   f"{dst.url}, expected {f.size}")
+        # The commit, last: the manifest (bytes as at the source) makes the step visible.
+        if staged:
+            dst.write_bytes(join(write_dir, MANIFEST_NAME), raw)
+            dst.fsync_dir(write_dir)
+            dst.rename(write_dir, sdir)
+            dst.fsync_dir("")
+        else:
+            dst.write_bytes(join(sdir, MANIFEST_NAME), raw, exclusive=True)
+    except BaseException:
+        with contextlib.suppress(CkptmgrError):
+            if staged:
+                dst.remove(write_dir, recursive=True)
+            else:
+                for path in written:
+                    dst.remove(path)
+        raise
+
+
+def copy_steps(src_url: str, dst_url: str, steps: Sequence[int] | None = None, *,
+               src_options: Mapping[str, Any] | None = None,
+               dst_options: Mapping[str, Any] | None = None,
+               progress: Progress | None = None,
+               log: Callable[[str], None] | None = None) -> list[CopyResult]:
+    """Copy committed steps from one root to another (e.g. local disk to ``gs://``).
+
+    Per step: the source manifest is read, every file is streamed to the destination while its
+    whole-file checksum is computed and compared with the manifest, the destination sizes are
+    checked, and only then is the manifest written (the staging directory renamed into place on
+    POSIX, the manifest object written last with a conditional create on object stores). A step
+    already committed at the destination with the same save attempt is skipped.
+
+    Args:
+        steps: the steps to copy (None: every committed step).
+        log: called with one line per step.
+
+    Raises:
+        CheckpointNotFoundError: a requested step is not committed at the source.
+        CheckpointExistsError: a step is committed at the destination from another save, or an
+            uncommitted leftover of it blocks the copy.
+        CorruptCheckpointError: a source file does not match its manifest (nothing of that step is
+            committed at the destination).
+        ConfigError: source and destination are the same root.
+    """
+    src = open_storage(src_url, src_options)
+    dst = open_storage(dst_url, dst_options)
+    if _same_root(src, dst):
+        raise ConfigError(f"source and destination are the same root ({src.url})")
+    available = _committed(src)
+    if steps is None:
+        chosen = available
+    else:
+        chosen = sorted({_check_step(s) for s in steps})
+        for s in chosen:
+            if s not in available:
+                raise _not_found(src, s, available)
+    at_dst = set(_committed(dst))
+    plans: list[tuple[int, Manifest, bytes, bool]] = []
+    for s in chosen:
+        manifest, raw = _read_manifest(src, s)
+        skip = False
+        if s in at_dst:
+            try:
+                existing, _ = _read_manifest(dst, s)
+            except CorruptCheckpointError:
+                existing = None
+            if existing is None or existing.attempt != manifest.attempt or (
+                    existing.files != manifest.files):
+                raise CheckpointExistsError(
+                    f"step {s} is already committed at {dst.url} from another save; delete it "
+                    "there first (ckptmgr prune) or copy other steps")
+            skip = True
+        elif dst.supports_rename and dst.exists(step_dir_name(s)):
+            raise CheckpointExistsError(
+                f"step {s} has an uncommitted leftover at {dst.url}; remove it first "
+                "(ckptmgr prune --incomplete) if no job is saving there")
+        plans.append((s, manifest, raw, skip))
+    say = log or (lambda _line: None)
+    total = sum(m.total_bytes for _, m, _, skip in plans if not skip)
+    results: list[CopyResult] = []
+    with _phase(progress, total, "copy") as p:
+        for s, manifest, raw, skip in plans:
+            if skip:
+                say(f"step {s}: already at the destination, skipped")
+                results.append(CopyResult(s, "skipped", 0))
+                continue
+            say(f"copying step {s} ({format_bytes(manifest.total_bytes)})")
+            _copy_one(src, dst, s, manifest, raw, p)
+            results.append(CopyResult(s, "copied", manifest.total_bytes))
+    return results

@@ -1,0 +1,428 @@
+"""The read-only commands: list a root's steps, inspect one step, verify steps' bytes.
+
+Nothing here writes. Damage found by :func:`verify_steps` is reported in its result, not raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ckptmgr.dcp import Hasher, ItemLocation, dtype_name
+from ckptmgr.errors import CkptmgrError, CorruptCheckpointError, StorageError
+from ckptmgr.info import StepInfo
+from ckptmgr.layout import MANIFEST_NAME, join, parse_staging_name, parse_step_name, step_dir_name
+from ckptmgr.storage import Storage, is_not_found, open_storage
+from ckptmgr.tools._common import (
+    _CHUNK,
+    Progress,
+    _check_step,
+    _committed,
+    _element_size,
+    _file_sizes,
+    _locations,
+    _natural,
+    _not_found,
+    _numel,
+    _phase,
+    _read_manifest,
+    _read_metadata,
+    _resolve_step,
+)
+
+__all__ = [
+    "Problem",
+    "StepDetails",
+    "StepListing",
+    "StepVerification",
+    "TensorEntry",
+    "ValueEntry",
+    "inspect_step",
+    "list_steps",
+    "verify_steps",
+]
+
+
+@dataclass(frozen=True)
+class StepListing:
+    """One entry of a root: a committed step or the leftover of a save that never committed.
+
+    Attributes:
+        name: the directory (prefix) name under the root: ``"100"``, or ``".tmp-100-<attempt>"``
+            for the staging directory of a save that crashed before its rename.
+        step: the step number.
+        committed: whether ``<name>/commit.json`` exists (a step is committed exactly then).
+        status: ``"committed"``, ``"incomplete"`` (no manifest: a crashed or in-flight save) or
+            ``"unreadable"`` (a manifest that does not parse; restore would refuse it).
+        time: commit time (UTC ISO 8601), None unless the manifest was read.
+        total_bytes: bytes of the step's files (manifest's sum, else the listed files).
+        world_size: ranks that saved it, when known.
+        metrics: the metrics saved with it.
+        error: why the manifest is unreadable, else None.
+    """
+
+    name: str
+    step: int
+    committed: bool
+    status: str
+    time: str | None
+    total_bytes: int
+    world_size: int | None
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (the ``ls --json`` object)."""
+        return {"step": self.step, "name": self.name, "committed": self.committed,
+                "status": self.status, "time": self.time, "total_bytes": self.total_bytes,
+                "world_size": self.world_size, "metrics": dict(self.metrics),
+                "error": self.error}
+
+
+def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None) -> list[StepListing]:
+    """Every committed step of the root at ``url`` and every leftover of a save that never
+    committed, ascending by step.
+
+    Reads each committed step's manifest (for time, size and metrics); lists each leftover's files.
+    A root that does not exist is empty. Symlinked entries and names ckptmgr does not write are
+    skipped.
+
+    Raises:
+        ConfigError, BackendNotInstalledError: a bad URL (see :func:`ckptmgr.storage.open_storage`).
+        StorageError: listing or reading failed.
+    """
+    storage = open_storage(url, storage_options)
+    out: list[StepListing] = []
+    for entry in storage.scan_root(MANIFEST_NAME):
+        if entry.is_symlink or not entry.is_dir:
+            continue
+        step = parse_step_name(entry.name)
+        staged = parse_staging_name(entry.name)
+        if step is not None and entry.has_marker:
+            try:
+                m, _ = _read_manifest(storage, step)
+            except CorruptCheckpointError as e:
+                size = sum(storage.list_files(entry.name).values())
+                out.append(StepListing(entry.name, step, True, "unreadable", None, size, None,
+                                       {}, str(e)))
+                continue
+            out.append(StepListing(entry.name, step, True, "committed", m.time, m.total_bytes,
+                                   m.world_size, dict(m.metrics)))
+        elif step is not None or staged is not None:
+            s = step if step is not None else staged[0]  # type: ignore[index]
+            size = sum(storage.list_files(entry.name).values())
+            out.append(StepListing(entry.name, s, False, "incomplete", None, size, None))
+    out.sort(key=lambda s: (s.step, not s.committed, s.name))
+    return out
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a step: its global shape and how it is stored.
+
+    Attributes:
+        name: the flat key (state-dict path joined with '.').
+        dtype: e.g. ``"float32"``.
+        shape: the global shape.
+        nbytes: bytes of the whole tensor.
+        chunks: ``(offsets, sizes)`` of each stored chunk (one per shard; one for a whole tensor).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+
+    @property
+    def sharding(self) -> str:
+        """``"whole"``, or ``"<n> chunks"`` with the chunk shape when all are alike."""
+        if len(self.chunks) == 1 and self.chunks[0][1] == self.shape:
+            return "whole"
+        sizes = {c[1] for c in self.chunks}
+        if len(sizes) == 1:
+            return f"{len(self.chunks)} chunks of {list(next(iter(sizes)))}"
+        return f"{len(self.chunks)} chunks"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                "bytes": self.nbytes, "sharding": self.sharding,
+                "chunks": [{"offsets": list(o), "sizes": list(s)} for o, s in self.chunks]}
+
+
+@dataclass(frozen=True)
+class ValueEntry:
+    """One Python value of a step (stored as tagged JSON, or pickle when saved trusted)."""
+
+    name: str
+    encoding: str
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"name": self.name, "encoding": self.encoding, "bytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class StepDetails:
+    """What :func:`inspect_step` found: the manifest and every stored item.
+
+    Attributes:
+        url: the root URL (credentials redacted).
+        info: the manifest as a :class:`~ckptmgr.info.StepInfo`.
+        attempt: the save attempt token of the committed files.
+        metadata_file: the JSON metadata file's name.
+        tensors: every tensor, by name.
+        values: every Python value, by name.
+    """
+
+    url: str
+    info: StepInfo
+    attempt: str
+    metadata_file: str
+    tensors: tuple[TensorEntry, ...]
+    values: tuple[ValueEntry, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (the ``inspect --json`` document)."""
+        i = self.info
+        return {
+            "url": self.url, "step": i.step,
+            "manifest": {
+                "time": i.time, "attempt": self.attempt, "world_size": i.world_size,
+                "mesh": i.mesh, "versions": dict(i.versions), "metrics": dict(i.metrics),
+                "metadata": dict(i.metadata), "metadata_file": self.metadata_file,
+                "files": [{"path": f.path, "size": f.size, "checksum": f.checksum}
+                          for f in i.files],
+                "bytes_per_rank": {str(r): b for r, b in sorted(i.bytes_per_rank.items())},
+                "total_bytes": i.total_bytes,
+            },
+            "tensors": [t.to_json() for t in self.tensors],
+            "values": [v.to_json() for v in self.values],
+        }
+
+
+def inspect_step(url: str, step: int | None = None, *,
+                 storage_options: Mapping[str, Any] | None = None) -> StepDetails:
+    """The manifest and the stored tensors and values of committed ``step`` (None: the newest).
+
+    Reads the manifest and the metadata file (checked against the manifest); no data file.
+
+    Raises:
+        CheckpointNotFoundError: ``step`` is not committed (IncompleteCheckpointError when it
+            exists but never committed); lists the available steps.
+        CorruptCheckpointError: the manifest or metadata does not parse or does not match.
+    """
+    storage = open_storage(url, storage_options)
+    step = _resolve_step(storage, step)
+    manifest, _ = _read_manifest(storage, step)
+    md = _read_metadata(storage, step, manifest)
+    locs = _locations(md)
+    tensors: list[TensorEntry] = []
+    values: list[ValueEntry] = []
+    for name in sorted(md.state_dict_metadata, key=_natural):
+        sm = md.state_dict_metadata[name]
+        if isinstance(sm, TensorStorageMetadata):
+            shape = tuple(int(s) for s in sm.size)
+            chunks = tuple((tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+                           for c in sm.chunks)
+            tensors.append(TensorEntry(
+                name, dtype_name(sm.properties.dtype), shape,
+                _numel(shape) * _element_size(sm.properties.dtype), chunks))
+        else:
+            loc = locs.get((name, None))
+            values.append(ValueEntry(name, loc.enc if loc else "?", loc.length if loc else 0))
+    return StepDetails(storage.url, StepInfo.from_manifest(manifest), manifest.attempt,
+                       manifest.metadata_file, tuple(tensors), tuple(values))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One damaged file of a step: its path relative to the step directory and what is wrong."""
+
+    path: str
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"path": self.path, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class StepVerification:
+    """The result of re-reading one step.
+
+    Attributes:
+        step: the step.
+        files_checked: files whose bytes were read and hashed.
+        bytes_checked: bytes read.
+        problems: every damaged file, with the reason; empty when the step is intact.
+    """
+
+    step: int
+    files_checked: int
+    bytes_checked: int
+    problems: tuple[Problem, ...]
+
+    @property
+    def ok(self) -> bool:
+        """Whether the step is intact."""
+        return not self.problems
+
+    @property
+    def corrupt_files(self) -> list[str]:
+        """Paths (relative to the step directory) of the damaged files, each once."""
+        return sorted({p.path for p in self.problems})
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"step": self.step, "ok": self.ok, "files_checked": self.files_checked,
+                "bytes_checked": self.bytes_checked, "corrupt_files": self.corrupt_files,
+                "problems": [p.to_json() for p in self.problems]}
+
+
+class _RangeHashes:
+    """Checksums of several byte ranges of one file, fed with the file's chunks in order."""
+
+    def __init__(self, items: list[tuple[str, ItemLocation]]) -> None:
+        self.items = sorted(items, key=lambda it: (it[1].offset, it[1].length))
+        self.hashers = [Hasher() for _ in self.items]
+        self._first = 0  # items before this index ended before the last chunk
+
+    def update(self, start: int, data: memoryview) -> None:
+        end = start + len(data)
+        i = self._first
+        while i < len(self.items) and self.items[i][1].offset < end:
+            loc = self.items[i][1]
+            a, b = max(start, loc.offset), min(end, loc.offset + loc.length)
+            if a < b:
+                self.hashers[i].update(data[a - start:b - start])
+            i += 1
+        while (self._first < len(self.items)
+               and self.items[self._first][1].offset + self.items[self._first][1].length <= end):
+            self._first += 1
+
+    def mismatches(self) -> list[str]:
+        return [name for (name, loc), h in zip(self.items, self.hashers, strict=True)
+                if h.value() != loc.checksum]
+
+
+def _verify_one(storage: Storage, step: int, p: Progress) -> StepVerification:
+    sdir = step_dir_name(step)
+    try:
+        manifest, _ = _read_manifest(storage, step)
+    except CorruptCheckpointError as e:
+        return StepVerification(step, 0, 0, (Problem(MANIFEST_NAME, str(e)),))
+    problems: list[Problem] = []
+    sizes = _file_sizes(storage, sdir, [f.path for f in manifest.files])
+    readable = []
+    for f in manifest.files:
+        actual = sizes[f.path]
+        if actual is None:
+            problems.append(Problem(f.path, "file is missing"))
+        elif actual != f.size:
+            problems.append(Problem(f.path, f"size is {actual} bytes, the manifest says {f.size}"))
+        else:
+            readable.append(f)
+    # Per-item ranges, from the metadata, when it is intact (else only whole-file checks).
+    by_file: dict[str, list[tuple[str, ItemLocation]]] = {}
+    md_name = manifest.metadata_file
+    if not any(pr.path == md_name for pr in problems):
+        try:
+            md = _read_metadata(storage, step, manifest)
+        except CorruptCheckpointError as e:
+            problems.append(Problem(md_name, str(e).split(": ", 2)[-1]))
+        else:
+            listed = {f.path: f.size for f in manifest.files}
+            for (fqn, _off), loc in _locations(md).items():
+                if loc.file not in listed:
+                    problems.append(Problem(md_name, f"{fqn!r} is stored in {loc.file!r}, which "
+                                                     "the manifest does not list"))
+                elif loc.offset + loc.length > listed[loc.file]:
+                    problems.append(Problem(loc.file, f"{fqn!r} lies beyond the end of the file"))
+                else:
+                    by_file.setdefault(loc.file, []).append((fqn, loc))
+    nbytes = 0
+    buf = bytearray(min(_CHUNK, max((f.size for f in readable), default=0)))
+    for f in readable:
+        path = join(sdir, f.path)
+        hasher = Hasher()
+        ranges = _RangeHashes(by_file.get(f.path, []))
+        pos = 0
+        try:
+            while pos < f.size:
+                n = min(len(buf), f.size - pos)
+                view = memoryview(buf)[:n]
+                storage.read_into(path, pos, view)
+                hasher.update(view)
+                ranges.update(pos, view)
+                pos += n
+                nbytes += n
+                p.advance(n)
+        except StorageError as e:
+            if not is_not_found(e):
+                raise  # an I/O failure is an error, not a verdict on the checkpoint
+            problems.append(Problem(f.path, "file disappeared while being read"))
+            continue
+        if hasher.value() != f.checksum:
+            problems.append(Problem(f.path, f"checksum is {hasher.value()}, the manifest says "
+                                            f"{f.checksum}"))
+        bad = ranges.mismatches()
+        if bad:
+            shown = ", ".join(repr(b) for b in bad[:5]) + (", ..." if len(bad) > 5 else "")
+            problems.append(Problem(f.path, f"item checksum mismatch in {shown}"))
+    return StepVerification(step, len(readable), nbytes, tuple(problems))
+
+
+def verify_steps(url: str, steps: Sequence[int | None] | None = None, *, all_steps: bool = False,
+                 storage_options: Mapping[str, Any] | None = None,
+                 progress: Progress | None = None) -> list[StepVerification]:
+    """Re-read every file of the given committed steps and check sizes and checksums.
+
+    Checks, per step: the manifest parses; every file it lists exists with its size; the whole
+    file's xxh3_64 matches the manifest; the metadata parses and each stored item (tensor chunk or
+    value) lies inside its file and matches its own checksum. Files are read once, in
+    ``16 MiB`` pieces.
+
+    Args:
+        url: the root.
+        steps: the steps to check (None in it: the newest committed step); None with
+            ``all_steps=False``: the newest committed step.
+        all_steps: check every committed step.
+        storage_options: fsspec options of the root.
+        progress: receives the bytes read.
+
+    Returns:
+        One :class:`StepVerification` per step, ascending; damage is reported there, not raised.
+
+    Raises:
+        CheckpointNotFoundError: a requested step is not committed (or none is, for the default).
+        StorageError: reading failed for a reason other than damage.
+    """
+    storage = open_storage(url, storage_options)
+    available = _committed(storage)
+    if all_steps:
+        chosen = available
+    elif steps is None:
+        chosen = [_resolve_step(storage, None)]
+    else:
+        chosen = []
+        for s in steps:
+            if s is None:  # "latest"
+                s = _resolve_step(storage, None)
+            s = _check_step(s)
+            if s not in available:
+                raise _not_found(storage, s, available)
+            chosen.append(s)
+        chosen = sorted(set(chosen))
+    total = 0
+    for s in chosen:
+        with contextlib.suppress(CkptmgrError):
+            total += _read_manifest(storage, s)[0].total_bytes
+    with _phase(progress, total, "verify") as p:
+        return [_verify_one(storage, s, p) for s in chosen]

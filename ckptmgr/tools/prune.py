@@ -1,0 +1,134 @@
+"""Deleting what the retention policy does not keep, and the leftovers of saves that never
+committed."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptmgr.errors import StorageError
+from ckptmgr.layout import MANIFEST_NAME, join, parse_staging_name, step_dir_name
+from ckptmgr.policy import StepRecord, build_policy, steps_to_delete
+from ckptmgr.storage import open_storage
+from ckptmgr.tools._common import _only_our_files
+from ckptmgr.tools.inspect import list_steps
+
+__all__ = ["PruneResult", "prune_steps"]
+
+
+@dataclass(frozen=True)
+class PruneResult:
+    """What :func:`prune_steps` deleted (or would delete, with ``dry_run``).
+
+    Attributes:
+        deleted: committed steps deleted, ascending.
+        kept: committed steps kept, ascending.
+        removed_leftovers: names of uncommitted leftovers removed.
+        dry_run: True when nothing was actually deleted.
+        failed: ``"<name>: <error>"`` for each deletion that failed.
+        foreign_leftovers: uncommitted step directories left alone because they hold files
+            ckptmgr does not write.
+    """
+
+    deleted: tuple[int, ...]
+    kept: tuple[int, ...]
+    removed_leftovers: tuple[str, ...]
+    dry_run: bool
+    failed: tuple[str, ...] = ()
+    foreign_leftovers: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"dry_run": self.dry_run, "deleted": list(self.deleted), "kept": list(self.kept),
+                "removed_leftovers": list(self.removed_leftovers), "failed": list(self.failed),
+                "foreign_leftovers": list(self.foreign_leftovers)}
+
+
+def prune_steps(url: str, *, keep_last: int | None = None, keep_every: int | None = None,
+                keep_best: int | None = None, best_metric: str | None = None,
+                best_mode: str = "min", incomplete: bool = False, dry_run: bool = False,
+                storage_options: Mapping[str, Any] | None = None,
+                log: Callable[[str], None] | None = None) -> PruneResult:
+    """Delete committed steps that the retention policy does not keep, and optionally leftovers.
+
+    The policy is the library's (:func:`ckptmgr.policy.build_policy`): the union of the newest
+    ``keep_last`` steps, every step divisible by ``keep_every`` and the ``keep_best`` best steps by
+    ``best_metric``; the newest committed step is never deleted. ``keep_last=None`` deletes no
+    committed step (only leftovers, with ``incomplete``); ``keep_last=0`` keeps every step, as in
+    the manager. A step is deleted manifest first, then its files.
+
+    ``incomplete=True`` also removes every uncommitted leftover: staging directories of crashed
+    saves, and step directories without a manifest that hold only files ckptmgr writes (others
+    are left alone and reported in ``foreign_leftovers``). Do not use it while a job is saving to
+    this root: its in-flight save is such a leftover until it commits.
+
+    Args:
+        log: called with one line per deletion (before it happens), e.g. ``print``.
+
+    Raises:
+        ConfigError: a bad option (the message names it).
+        StorageError: listing failed. A failed deletion is reported in ``failed`` instead.
+    """
+    policy = build_policy(max_to_keep=keep_last or 0, keep_period=keep_every,
+                          best_metric=best_metric, best_mode=best_mode, keep_best=keep_best)
+    storage = open_storage(url, storage_options)
+    entries = list_steps(url, storage_options=storage_options)
+    records = []
+    for e in entries:
+        if e.committed:
+            t = 0.0
+            if e.time is not None:
+                with contextlib.suppress(ValueError):
+                    t = _unix(e.time)
+            records.append(StepRecord(step=e.step, time=t, metrics=dict(e.metrics)))
+    to_delete = steps_to_delete(records, policy) if keep_last is not None else []
+    say = log or (lambda _line: None)
+    verb = "would delete" if dry_run else "deleting"
+    failed: list[str] = []
+    deleted: list[int] = []
+    for step in to_delete:
+        say(f"{verb} step {step}")
+        if dry_run:
+            deleted.append(step)
+            continue
+        sdir = step_dir_name(step)
+        try:
+            storage.remove(join(sdir, MANIFEST_NAME))  # uncommit first
+        except StorageError as err:
+            failed.append(f"{sdir}: {err}")
+            continue
+        deleted.append(step)
+        try:
+            storage.remove(sdir, recursive=True)
+        except StorageError as err:
+            failed.append(f"{sdir}: uncommitted, but its files remain: {err}")
+    removed: list[str] = []
+    foreign: list[str] = []
+    if incomplete:
+        for e in entries:
+            if e.committed:
+                continue
+            if parse_staging_name(e.name) is None and not _only_our_files(storage, e.name):
+                say(f"leaving {e.name}: it holds files ckptmgr did not write")
+                foreign.append(e.name)
+                continue
+            say(f"{'would remove' if dry_run else 'removing'} incomplete leftover {e.name}")
+            if not dry_run:
+                try:
+                    storage.remove(e.name, recursive=True)
+                except StorageError as err:
+                    failed.append(f"{e.name}: {err}")
+                    continue
+            removed.append(e.name)
+    gone = set(deleted)
+    kept = tuple(r.step for r in records if r.step not in gone)
+    return PruneResult(tuple(deleted), kept, tuple(removed), dry_run, tuple(failed),
+                       tuple(foreign))
+
+
+def _unix(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
