@@ -47,6 +47,11 @@ class PreemptionWatcher:
         self._check = check
         self._signum = 0
         self._count = 0
+        # Level sources (file, check) fire on a rising edge only: once when they read true, again
+        # only after they have read false in between. A file left in place must not turn every
+        # following step into a forced synchronous save.
+        self._file_armed = True
+        self._check_armed = True
         self._previous: dict[signal.Signals, _Handler] = {}
         if signals and threading.current_thread() is not threading.main_thread():
             raise ConfigError(
@@ -63,7 +68,9 @@ class PreemptionWatcher:
             self._signum = signum
         self._count += 1
         previous = self._previous.get(signal.Signals(signum))
-        if callable(previous):
+        # Python's own SIGINT handler raises KeyboardInterrupt, which would abort the very save
+        # the signal asks for: a SIGINT listed as a preemption signal only sets the flag.
+        if callable(previous) and previous is not signal.default_int_handler:
             previous(signum, frame)
 
     @property
@@ -72,14 +79,27 @@ class PreemptionWatcher:
         return self._count
 
     def triggered(self) -> int:
-        """The signal number that means preemption now (SIGTERM for a file or a callable), or 0."""
+        """The signal number that means preemption now (SIGTERM for a file or a callable), or 0.
+
+        A file or a check fires once when it reads true; it fires again only after it has read
+        false and then true again.
+        """
         if self._signum:
             return self._signum
-        if self._file is not None and os.path.exists(self._file):
-            log.warning("preemption file %s appeared", self._file)
-            self._signum = int(signal.SIGTERM)
-        elif self._check is not None and self._check():
-            log.warning("preemption_check reported a preemption")
+        fired = False
+        if self._file is not None:
+            present = os.path.exists(self._file)
+            if present and self._file_armed:
+                log.warning("preemption file %s appeared", self._file)
+                fired = True
+            self._file_armed = not present
+        if self._check is not None:
+            reported = bool(self._check())
+            if reported and self._check_armed and not fired:
+                log.warning("preemption_check reported a preemption")
+                fired = True
+            self._check_armed = not reported
+        if fired:
             self._signum = int(signal.SIGTERM)
         return self._signum
 

@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from ckptmgr.dcp.optim import prime_optimizer
 from ckptmgr.errors import ConfigError
-from ckptmgr.optim import prime_optimizer
 
 __all__ = ["ModelOptimizerState"]
 
@@ -38,9 +38,10 @@ class ModelOptimizerState(Stateful):
     taken under one parallelism and world size restores under another.
 
     Both methods are collective when the model is sharded: every rank calls them (the manager's
-    ``save`` and ``restore`` do). ``state_dict()`` first creates the state of optimizers that have
-    none yet (:func:`ckptmgr.prime_optimizer`, which changes no parameter or gradient), so a fresh
-    optimizer can be restored into in place.
+    ``save`` and ``restore`` do). ``state_dict()`` includes zero placeholders for optimizer state
+    that does not exist yet (made by :func:`ckptmgr.prime_optimizer`, then taken out of the
+    optimizer again), so a fresh optimizer can be restored into in place while a save changes
+    nothing in the optimizer.
 
     Args:
         model: the model: plain, ``fully_shard``-ed (FSDP2/HSDP), DDP, or tensor-parallel.
@@ -79,12 +80,32 @@ class ModelOptimizerState(Stateful):
     def state_dict(self) -> dict[str, Any]:
         """``{"model": ..., "optim": ...}`` (no ``"optim"`` without optimizers). Collective when
         the model is sharded. Tensors are the live parameters and state (no copies), so an
-        in-place load fills them directly."""
-        for optim in self.optimizers:
-            # get_state_dict creates missing state itself, but only when no parameter has a
-            # gradient; with gradients present it would hand back no state to restore into.
-            prime_optimizer(optim)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=self.options)
+        in-place load fills them directly.
+
+        Leaves every optimizer exactly as it was: parameters without state (unused branches,
+        unrouted experts) get zero placeholder entries in the returned dict, so that a fresh
+        optimizer can be restored into, but not in the optimizer itself, whose next ``step()``
+        (Adam's bias correction counts steps) is the one it would have been without the call.
+        """
+        placeholders: list[tuple[torch.optim.Optimizer, torch.Tensor, dict[str, Any] | None]] = []
+        try:
+            for optim in self.optimizers:
+                # get_state_dict would create missing state itself, but only when no parameter
+                # has a gradient, and it would leave it in the optimizer.
+                for group in optim.param_groups:
+                    for p in group["params"]:
+                        if p.requires_grad and not optim.state.get(p):
+                            placeholders.append((optim, p, optim.state.get(p)))
+                prime_optimizer(optim)
+            model_sd, optim_sd = get_state_dict(self.model, self.optimizers, options=self.options)
+        finally:
+            # The placeholders stay reachable from the returned dict only (a restore fills them
+            # and load_state_dict hands them back); the optimizers' own state is as before.
+            for optim, p, before in placeholders:
+                if before is None:
+                    optim.state.pop(p, None)
+                else:
+                    optim.state[p] = before
         out: dict[str, Any] = {"model": model_sd}
         if self.optimizers:
             out["optim"] = optim_sd

@@ -1,0 +1,189 @@
+"""Hardening (issue 16): preemption sources fire once, SIGINT saves, saving leaves training state
+alone, bad local roots and URLs fail at construction, forged sizes fail before allocation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptmgr import CheckpointManager
+
+# ---------------------------------------------------------------- item 4: level sources fire once
+
+
+def test_preemption_file_left_in_place_fires_once(local_root: str, tmp_path: Path) -> None:
+    marker = tmp_path / "preempted"
+    marker.write_text("")
+    with CheckpointManager(local_root, save_interval=100, chkpt_on_preemption=False,
+                           exit_on_preemption=False, preemption_file=str(marker)) as mgr:
+        assert mgr.save(1, {"w": torch.ones(1)}) is True  # fires: off-interval step saved
+        assert mgr.reached_preemption(1)
+        for step in range(2, 6):  # the file is still there: no further forced saves
+            assert mgr.save(step, {"w": torch.ones(1)}) is False
+        assert mgr.all_steps() == [1]
+        marker.unlink()
+        assert mgr.save(6, {"w": torch.ones(1)}) is False  # read false: armed again
+        marker.write_text("")
+        assert mgr.save(7, {"w": torch.ones(1)}) is True
+        assert mgr.all_steps() == [1, 7]
+
+
+def test_preemption_check_fires_on_rising_edge_only(local_root: str) -> None:
+    answers = iter([True, True, True, False, True, True])
+    with CheckpointManager(local_root, save_interval=100, chkpt_on_preemption=False,
+                           exit_on_preemption=False, preemption_check=lambda: next(answers)) as mgr:
+        saved = [mgr.save(s, {"w": torch.ones(1)}) for s in range(1, 7)]
+    assert saved == [True, False, False, False, True, False]
+
+
+# ---------------------------------------------------------------- item 5: SIGINT saves, no raise
+
+_SIGINT_SCRIPT = textwrap.dedent("""
+    import sys, time, torch, ckptmgr
+    mgr = ckptmgr.CheckpointManager(sys.argv[1], save_interval=1000,
+                                    preemption_signals=("SIGINT", "SIGTERM"))
+    w = torch.zeros(4)
+    try:
+        for step in range(100000):
+            w += 1
+            mgr.save(step, {"w": w})
+            print("step", step, flush=True)
+            time.sleep(0.02)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt", flush=True)
+        sys.exit(3)
+""")
+
+
+def test_sigint_as_preemption_signal_saves_and_exits_130(local_root: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "CKPTMGR_PATH")}
+    proc = subprocess.Popen([sys.executable, "-c", _SIGINT_SCRIPT, local_root],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    steps: list[int] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        steps.append(int(line.split()[1]))
+        if steps[-1] >= 3:
+            break
+    proc.send_signal(signal.SIGINT)
+    out = proc.stdout.read()
+    err = proc.stderr.read()
+    proc.wait(timeout=120)
+    proc.stdout.close()
+    proc.stderr.close()
+    assert "KeyboardInterrupt" not in out + err, err
+    assert proc.returncode == 128 + signal.SIGINT, err
+    with CheckpointManager(local_root, save_interval=1, chkpt_on_preemption=False) as mgr:
+        newest = mgr.latest_step()
+        assert newest is not None and newest >= steps[-1]
+        state = {"w": torch.zeros(4)}
+        mgr.restore(newest, state)
+        assert torch.equal(state["w"], torch.full((4,), float(newest + 1)))
+
+
+# ---------------------------------------------------------------- item 6: save leaves state alone
+
+
+def _branchy() -> tuple[torch.nn.ModuleDict, torch.optim.AdamW]:
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4), "unused": torch.nn.Linear(4, 4)})
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _train(model: torch.nn.ModuleDict, optim: torch.optim.Optimizer, steps: range,
+           unused_from: int | None = None) -> None:
+    for step in steps:
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        out = model["used"](x)
+        if unused_from is not None and step >= unused_from:
+            out = out + model["unused"](x)
+        optim.zero_grad()
+        out.square().mean().backward()
+        optim.step()
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_save_leaves_optimizer_state_exactly_as_it_was(local_root: str, fresh: bool) -> None:
+    from ckptmgr.dcp import ModelOptimizerState
+
+    ref_model, ref_optim = _branchy()
+    model, optim = _branchy()
+    first = range(0) if fresh else range(3)
+    _train(ref_model, ref_optim, first)
+    _train(model, optim, first)
+    unused = list(model["unused"].parameters())
+    assert all(p not in optim.state for p in unused)
+    before = {id(p): {k: v.clone() for k, v in optim.state[p].items()} for p in optim.state}
+    with CheckpointManager(local_root, save_interval=1, chkpt_on_preemption=False) as mgr:
+        mgr.save(3, {"app": ModelOptimizerState(model, optim)})
+        assert all(p not in optim.state for p in unused)  # still absent
+        assert {id(p) for p in optim.state} == set(before)
+        for p in optim.state:
+            assert all(torch.equal(v, before[id(p)][k]) for k, v in optim.state[p].items())
+        # The unused branch starts training later: its first step must be a first step.
+        _train(ref_model, ref_optim, range(3, 7), unused_from=5)
+        _train(model, optim, range(3, 7), unused_from=5)
+        for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a, b)
+        for p_ref, p in zip(ref_model.parameters(), model.parameters(), strict=True):
+            for k, v in ref_optim.state[p_ref].items():
+                assert torch.equal(v, optim.state[p][k])
+        # A fresh optimizer still restores in place.
+        model2, optim2 = _branchy()
+        mgr.restore(3, {"app": ModelOptimizerState(model2, optim2)})
+
+
+def test_no_import_cycles() -> None:
+    """Imports between ckptmgr modules flow one way: no module imports itself back (issue 14).
+
+    A module importing its own package (``from ckptmgr.dcp import x`` inside ``ckptmgr.dcp``) is
+    not counted: Python runs the package first. ``from pkg import submodule`` counts as an import
+    of the submodule; importing ``a.b.c`` from outside ``a.b`` counts as importing ``a.b`` too.
+    """
+    import ast
+
+    pkg = Path(__import__("ckptmgr").__file__).parent
+    files = {}
+    for path in pkg.rglob("*.py"):
+        parts = path.relative_to(pkg.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        deps = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in files)
+            elif isinstance(node, ast.ImportFrom) and node.module in files and node.level == 0:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & set(files)
+                deps.update(subs or {node.module})
+        # Importing ckptmgr.dcp.xla first runs ckptmgr.dcp's __init__ (the root package aside,
+        # which is always initialised first).
+        for dep in list(deps):
+            parts = dep.split(".")
+            deps.update(".".join(parts[:i]) for i in range(2, len(parts)))
+        deps.discard(name)
+        deps.difference_update(d for d in list(deps) if name.startswith(d + "."))
+
+    cycles = []
+    for start in graph:
+        stack, seen = [(start, (start,))], {start}
+        while stack:
+            node, trail = stack.pop()
+            for dep in graph[node]:
+                if dep == start:
+                    cycles.append(" -> ".join((*trail, dep)))
+                elif dep not in seen:
+                    seen.add(dep)
+                    stack.append((dep, (*trail, dep)))
+    assert not cycles, "\n".join(sorted(cycles))
