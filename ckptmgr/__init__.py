@@ -31,7 +31,7 @@ from ckptmgr.errors import (
 )
 from ckptmgr.info import FileEntry, SaveStats, StepInfo
 from ckptmgr.manager import CheckpointManager
-from ckptmgr.dcp.optim import prime_optimizer
+from ckptmgr.optim import prime_optimizer
 
 __all__ = [
     "AsyncSaveError",
