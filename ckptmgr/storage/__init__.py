@@ -1,4 +1,5 @@
-"""Storage backends: the ``Storage`` protocol, local disk, and fsspec for every other URL.
+"""Storage backends: the ``Storage`` protocol and its capabilities, local disk, and fsspec for
+every other URL.
 
 This package is the only place that imports fsspec. Backends are resolved lazily by URL scheme
 through fsspec's registry; a missing one becomes :class:`BackendNotInstalledError` with the pip
@@ -14,16 +15,30 @@ from typing import Any
 import fsspec
 
 from ckptmgr.errors import BackendNotInstalledError, ConfigError, StorageError
-from ckptmgr.storage.base import RootEntry, Storage, StorageWriter, is_not_found, redact_url
+from ckptmgr.storage.base import (
+    AtomicRename,
+    RangeReader,
+    RangeReads,
+    RootEntry,
+    Storage,
+    StorageWriter,
+    VectoredWriter,
+    is_not_found,
+    redact_url,
+)
 from ckptmgr.storage.fsspec_storage import FsspecStorage, prepare_url
 from ckptmgr.storage.local import LocalStorage
 
 __all__ = [
+    "AtomicRename",
     "FsspecStorage",
     "LocalStorage",
+    "RangeReader",
+    "RangeReads",
     "RootEntry",
     "Storage",
     "StorageWriter",
+    "VectoredWriter",
     "is_not_found",
     "open_storage",
     "redact_url",
@@ -41,23 +56,60 @@ def split_scheme(url: str) -> tuple[str | None, str]:
     return None, url
 
 
-def open_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
+def _check_local_writable(root: str, shown: str) -> None:
+    """Raise ConfigError when this process cannot create files in ``root`` (or, for a root not
+    created yet, directories in the nearest existing directory above it)."""
+    probe = os.path.abspath(root)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if os.access(probe, os.W_OK | os.X_OK):
+        return
+    try:
+        read_only_fs = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only_fs = False
+    if read_only_fs:
+        reason = "it is on a read-only file system"
+    else:
+        st = os.stat(probe)
+        reason = (f"permission denied (mode {st.st_mode & 0o7777:04o}, owner uid {st.st_uid}; "
+                  f"this process runs as uid {os.geteuid()})")
+    where = "" if probe == os.path.abspath(root) else f" ({probe}, where it would be created)"
+    raise ConfigError(f"checkpoint root {shown!r} cannot be written{where}: {reason}; pass a "
+                      "writable path, or open it as a reader")
+
+
+def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *,
+                 writable: bool = True) -> Storage:
     """The Storage for ``url``: local paths and ``file://`` on POSIX calls, the rest via fsspec.
 
-    Performs no writes. Raises:
-        ConfigError: empty URL, unknown scheme, or a root that is an existing file.
+    Performs no writes. With ``writable`` (the default) a local root, or the nearest existing
+    directory above a root not created yet, must be writable by this process; readers (a
+    read-only manager, inspection tools) pass ``writable=False``.
+
+    Raises:
+        ConfigError: empty URL, a NUL byte in it, unknown scheme, credentials in a URL whose
+            scheme cannot use them (``file://user:pass@``; not echoed), a root that is an
+            existing file, or a local root that cannot be written (path and reason given).
         BackendNotInstalledError: the scheme is known but its package is not installed.
         StorageError: the backend could not be set up (bad credentials format, ...).
     """
     if not isinstance(url, str) or not url.strip():
         raise ConfigError(f"path must be a non-empty string (a local path or URL), got {url!r}")
     shown = redact_url(url)
+    if "\x00" in url:
+        raise ConfigError(f"path {shown!r} contains a NUL byte, which no file system accepts")
     scheme, rest = split_scheme(url)
     opts = dict(storage_options or {})
     if scheme in (None, "file", "local"):
         if opts:
             raise ConfigError(
                 f"storage_options {sorted(opts)} are not used by local paths; remove them")
+        if scheme is not None and "@" in rest.split("/", 1)[0]:
+            # file://user:pass@host/... would become a directory named after the password.
+            raise ConfigError(
+                f"{scheme}:// URLs cannot carry credentials ({shown!r}); local paths need none: "
+                "remove the user:password@ part")
         if scheme is not None and rest.startswith("localhost/"):
             rest = rest[len("localhost"):]
         if not rest:
@@ -66,6 +118,8 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None) -> 
         if os.path.exists(storage.root) and not os.path.isdir(storage.root):
             raise ConfigError(
                 f"path {shown!r} is an existing file; a checkpoint root must be a directory")
+        if writable:
+            _check_local_writable(storage.root, shown)
         return storage
     if scheme not in fsspec.available_protocols() and scheme not in fsspec.registry:
         raise ConfigError(
