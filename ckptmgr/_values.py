@@ -17,10 +17,15 @@ from typing import Any
 
 from ckptmgr.manifest import ManifestError, check_json_depth
 
-__all__ = ["NotRepresentableError", "decode_value", "encode_value", "is_representable"]
+__all__ = ["MAX_VALUE_BYTES", "NotRepresentableError", "decode_value", "encode_value",
+           "is_representable"]
 
 _TAGS = frozenset({"__tuple__", "__float__", "__bytes__", "__dict__", "__odict__"})
 _MAX_DEPTH = 100
+MAX_VALUE_BYTES = 256 << 20
+"""The most bytes one stored Python value may take (tagged JSON, or pickle when trusted): saving a
+larger one is refused, and a restore refuses a checkpoint that claims more before allocating.
+Large data belongs in tensors."""
 
 
 class NotRepresentableError(TypeError):

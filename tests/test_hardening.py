@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptmgr import CheckpointManager
+from ckptmgr import CheckpointManager, ConfigError
 
 # ---------------------------------------------------------------- item 4: level sources fire once
 
@@ -265,3 +265,83 @@ def test_root_read_only_after_construction_save_is_save_error(tmpfs: Path) -> No
     finally:
         _remount(tmpfs, "rw")
         mgr.close()
+
+
+# ---------------------------------------------------------------- item 13: forged value sizes
+
+
+def _forge_value_length(root: Path, step: int, fqn: str, length: int) -> Path:
+    """Declare ``fqn``'s stored value ``length`` bytes long in a sparse data file, with the
+    manifest's sizes and checksums and the item's checksum forged to match."""
+    import json
+
+    from ckptmgr.dcp._bytes import checksum
+
+    sdir = root / str(step)
+    manifest = json.loads((sdir / "commit.json").read_text())
+    meta_path = sdir / manifest["metadata_file"]
+    meta = json.loads(meta_path.read_text())
+    (loc,) = [s for s in meta["storage"] if s["fqn"] == fqn]
+    data = sdir / loc["file"]
+    with open(data, "r+b") as f:
+        f.truncate(loc["pos"] + length)  # a hole: no bytes on disk
+    loc["length"] = length
+    loc["checksum"] = checksum(bytes(length)) if length <= 1 << 20 else loc["checksum"]
+    meta_bytes = json.dumps(meta).encode()
+    meta_path.write_bytes(meta_bytes)
+    for entry in manifest["files"]:
+        if entry["path"] == manifest["metadata_file"]:
+            entry["size"], entry["checksum"] = len(meta_bytes), checksum(meta_bytes)
+        elif entry["path"] == loc["file"]:
+            entry["size"] = os.path.getsize(data)
+    manifest["total_bytes"] = sum(e["size"] for e in manifest["files"])
+    manifest["bytes_per_rank"] = {"0": manifest["total_bytes"]}
+    (sdir / "commit.json").write_text(json.dumps(manifest))
+    return data
+
+
+def test_value_claiming_gigabytes_fails_before_allocating(local_root: str) -> None:
+    import resource
+
+    from ckptmgr import CorruptCheckpointError
+
+    with CheckpointManager(local_root, save_interval=1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"w": torch.ones(3), "extra": {"epoch": 3}})
+    data = _forge_value_length(Path(local_root), 1, "extra.epoch", 2 << 30)
+    assert os.stat(data).st_blocks * 512 < 1 << 20  # sparse: nothing on disk
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    with (CheckpointManager(local_root, save_interval=1, chkpt_on_preemption=False) as mgr,
+          pytest.raises(CorruptCheckpointError, match="claims") as info):
+        mgr.restore(1, {"w": torch.zeros(3), "extra": {"epoch": 0}})
+    assert data.name in str(info.value)
+    assert time.perf_counter() - t0 < 30
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before
+    assert grown_kib < 256 << 10, f"peak RSS grew by {grown_kib} KiB"
+
+
+def test_value_larger_than_the_bound_is_refused_at_save(local_root: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptmgr import SaveError
+    from ckptmgr.dcp import writer
+
+    monkeypatch.setattr(writer, "MAX_VALUE_BYTES", 1000)
+    with CheckpointManager(local_root, save_interval=1, chkpt_on_preemption=False) as mgr:
+        with pytest.raises((ConfigError, SaveError), match="Python value may"):
+            mgr.save(1, {"w": torch.ones(3), "extra": {"names": ["x" * 50] * 40}})
+        assert mgr.all_steps() == []
+
+
+def test_value_within_file_but_file_short_in_storage(local_root: str) -> None:
+    """A claim past the bytes the file has in storage fails naming the file, before reading."""
+    from ckptmgr import CorruptCheckpointError
+
+    with CheckpointManager(local_root, save_interval=1, chkpt_on_preemption=False) as mgr:
+        mgr.save(1, {"w": torch.ones(3), "extra": {"epoch": 3}})
+    data = _forge_value_length(Path(local_root), 1, "extra.epoch", 4096)
+    with open(data, "r+b") as f:  # the file in storage is shorter than the manifest says
+        f.truncate(100)
+    with (CheckpointManager(local_root, save_interval=1, chkpt_on_preemption=False) as mgr,
+          pytest.raises(CorruptCheckpointError) as info):
+        mgr.restore(1, {"w": torch.zeros(3), "extra": {"epoch": 0}})
+    assert data.name in str(info.value)
