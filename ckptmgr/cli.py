@@ -19,7 +19,6 @@ import json
 import logging
 import math
 import os
-import re
 import shutil
 import sys
 import time
@@ -28,9 +27,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, TextIO
 
 from ckptmgr import tools
+from ckptmgr._redact import redact, redact_url, register_options, register_url
 from ckptmgr._version import __version__
 from ckptmgr.errors import CkptmgrError
-from ckptmgr.storage import redact_url
 
 __all__ = ["EXIT_CORRUPT", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -38,47 +37,6 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_CORRUPT = 3
-
-_URL_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s'\"]*@")
-_URL_SECRET_QUERY = re.compile(
-    r"([?&][^=&#\s]*(?:key|secret|token|password|sig|signature|credential)[^=&#\s]*=)"
-    r"[^&#\s'\"]*", re.IGNORECASE)
-_USERINFO_OF = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://([^/@]*)@")
-_SECRET_OPTION = re.compile(r"key|secret|token|password|credential|auth|sig", re.IGNORECASE)
-
-
-class _Redactor:
-    """Removes credentials from any text the CLI prints."""
-
-    def __init__(self) -> None:
-        self.secrets: set[str] = set()
-        self.urls: dict[str, str] = {}
-
-    def add_url(self, url: str) -> None:
-        shown = redact_url(url)
-        if shown != url:
-            self.urls[url] = shown
-        m = _USERINFO_OF.match(url)
-        if m:  # backends may print the user:pass part without its scheme
-            userinfo = m.group(1)
-            self.secrets.update(s for s in (userinfo, userinfo.partition(":")[2]) if len(s) >= 4)
-
-    def add_options(self, options: dict[str, Any]) -> None:
-        for k, v in options.items():
-            if isinstance(v, str) and len(v) >= 4 and _SECRET_OPTION.search(k):
-                self.secrets.add(v)
-
-    def __call__(self, text: str) -> str:
-        for raw, shown in self.urls.items():
-            text = text.replace(raw, shown)
-        for s in sorted(self.secrets, key=len, reverse=True):
-            text = text.replace(s, "***")
-        text = _URL_USERINFO.sub(r"\1***@", text)
-        return _URL_SECRET_QUERY.sub(r"\1***", text)
-
-
-_redact = _Redactor()
-
 
 _human = tools.format_bytes
 
@@ -153,10 +111,10 @@ class _Out:
         self.progress: tools.Progress | None = _Bar(self.stderr) if show else None
 
     def line(self, text: str = "") -> None:
-        self.stdout.write(_redact(text) + "\n")
+        self.stdout.write(redact(text) + "\n")
 
     def note(self, text: str) -> None:
-        self.stderr.write(_redact(f"ckptmgr: {text}") + "\n")
+        self.stderr.write(redact(f"ckptmgr: {text}") + "\n")
 
     def say(self, text: str) -> None:
         """A running account of what a command does: stdout in text mode, stderr with --json."""
@@ -167,7 +125,7 @@ class _Out:
 
     def document(self, doc: Any) -> None:
         # Strict JSON: a NaN or infinite metric becomes the string "nan", "inf" or "-inf".
-        self.stdout.write(_redact(json.dumps(_finite(doc), indent=2, allow_nan=False)) + "\n")
+        self.stdout.write(redact(json.dumps(_finite(doc), indent=2, allow_nan=False)) + "\n")
 
 
 def _finite(doc: Any) -> Any:
@@ -369,7 +327,7 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, _redact(f"{self.prog}: error: {message}") + "\n")
+        self.exit(EXIT_USAGE, redact(f"{self.prog}: error: {message}") + "\n")
 
 
 def _step(text: str) -> int | None:
@@ -521,11 +479,11 @@ def _register_secrets(args: argparse.Namespace) -> None:
     for name in ("url", "src", "dst", "out"):
         value = getattr(args, name, None)
         if isinstance(value, str):
-            _redact.add_url(value)
+            register_url(value)
     for name in ("options", "dst_options"):
         pairs = getattr(args, name, None) or []
         opts = dict(pairs)
-        _redact.add_options(opts)
+        register_options(opts)
         setattr(args, name, opts or None)
 
 
@@ -543,7 +501,7 @@ class _LogFormatter(logging.Formatter):
             text = " ".join(super().format(record).split("\n"))
         else:
             text = super().format(record)
-        return _redact(text)
+        return redact(text)
 
 
 @contextlib.contextmanager
@@ -606,12 +564,12 @@ def _run(args: argparse.Namespace, out: _Out, parser: _Parser) -> int:
         return 141
     except (CkptmgrError, OSError) as e:
         if args.debug:
-            sys.stderr.write(_redact(traceback.format_exc()))
+            sys.stderr.write(redact(traceback.format_exc()))
         out.note(f"error: {_one_line(e)}")
         return EXIT_ERROR
     except Exception as e:
         if args.debug:
-            sys.stderr.write(_redact(traceback.format_exc()))
+            sys.stderr.write(redact(traceback.format_exc()))
         out.note(f"internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
                  "traceback)")
         return EXIT_ERROR

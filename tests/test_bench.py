@@ -16,7 +16,7 @@ import torch
 
 from ckptmgr import CheckpointManager, CorruptCheckpointError
 from ckptmgr.dcp import reader, writer
-from ckptmgr.dcp.writer import split_runs
+from ckptmgr.dcp._streams import split_runs
 from ckptmgr.errors import StorageError
 from ckptmgr.storage import local
 from ckptmgr.storage.local import LocalStorage

@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +30,15 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptmgr._values import MAX_VALUE_BYTES, decode_value
+from ckptmgr._values import decode_value
 from ckptmgr.dcp._bytes import Hasher, checksum, tensor_memoryview
 from ckptmgr.dcp._metadata_json import ItemLocation
+from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
 from ckptmgr.dcp.planner import CkptLoadPlanner
 from ckptmgr.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckptmgr.layout import join
 from ckptmgr.manifest import Manifest
-from ckptmgr.storage import Storage
+from ckptmgr.storage import RangeReads, Storage
 
 __all__ = ["DEFAULT_NUM_THREADS", "CkptStorageReader"]
 
@@ -64,14 +65,14 @@ class _TensorRead:
 
 
 class _RangeReader:
-    """Vectored range reads of one file: ``LocalReader`` when the storage has one, else ranged
-    reads of the whole span scattered into the buffers (one request per span on object stores)."""
+    """Vectored range reads of one file: the storage's own reader when it has
+    :class:`RangeReads`, else ranged reads of the whole span scattered into the buffers (one
+    request per span on object stores)."""
 
     def __init__(self, storage: Storage, path: str) -> None:
         self._storage = storage
         self._path = path
-        opener: Callable[[str], Any] | None = getattr(storage, "open_reader", None)
-        self._native = opener(path) if opener is not None else None
+        self._native = storage.open_reader(path) if isinstance(storage, RangeReads) else None
 
     def readv_into(self, offset: int, bufs: Sequence[memoryview]) -> None:
         if self._native is not None:
@@ -89,23 +90,6 @@ class _RangeReader:
     def close(self) -> None:
         if self._native is not None:
             self._native.close()
-
-
-class _Stopped(Exception):
-    """Another read stream failed: this one stops early."""
-
-
-def _split(reads: list[_TensorRead], num: int) -> list[list[_TensorRead]]:
-    total = sum(r.loc.length for r in reads)
-    num = max(1, min(num, len(reads), total // _MIN_STREAM_BYTES))
-    runs: list[list[_TensorRead]] = [[]]
-    acc = 0
-    for r in reads:
-        if len(runs) < num and runs[-1] and acc >= total * len(runs) / num:
-            runs.append([])
-        runs[-1].append(r)
-        acc += r.loc.length
-    return runs
 
 
 class CkptStorageReader(StorageReader):
@@ -195,13 +179,7 @@ class CkptStorageReader(StorageReader):
         located = {idx: self._location(idx) for idx in groups}
         self._check_sizes({loc.file for loc in located.values()})
         for idx, loc in located.items():
-            # Checked before allocating a buffer of loc.length bytes or reading anything: a
-            # value's claim is bounded, and every claim must lie within the bytes the file has
-            # in storage (its listed size matched the manifest above).
-            if groups[idx][0].type == LoadItemType.BYTE_IO and loc.length > MAX_VALUE_BYTES:
-                raise self._corrupt(
-                    f"value {idx.fqn!r} claims {loc.length} bytes, more than the "
-                    f"{MAX_VALUE_BYTES} a stored Python value may take", loc.file)
+            # Checked before allocating a buffer of loc.length bytes or reading anything.
             size = self.manifest.file(loc.file).size
             if loc.offset + loc.length > size:
                 raise self._corrupt(
@@ -263,29 +241,10 @@ class CkptStorageReader(StorageReader):
     def _run_window(self, reads: list[_TensorRead], planner: LoadPlanner) -> None:
         """Read ``reads`` (sorted by file and offset) on up to ``num_threads`` streams, then
         check and commit them on the calling thread, in order."""
-        runs = _split(reads, self.num_threads)
-        stop = threading.Event()
-        errors: list[BaseException | None] = [None] * len(runs)
-
-        def run(i: int) -> None:
-            try:
-                self._read_run(runs[i], stop)
-            except BaseException as e:
-                stop.set()
-                errors[i] = e
-
-        if len(runs) == 1:
-            run(0)
-        else:
-            threads = [threading.Thread(target=run, args=(i,), name=f"ckptmgr-read-{i}",
-                                        daemon=True) for i in range(len(runs))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        failed = [e for e in errors if e is not None]
-        if failed:
-            raise next((e for e in failed if not isinstance(e, _Stopped)), failed[0])
+        starts = split_runs([r.loc.length for r in reads], self.num_threads, _MIN_STREAM_BYTES)
+        runs = [reads[a:b] for a, b in zip(starts, [*starts[1:], len(reads)], strict=True)]
+        run_streams(lambda i, stop: self._read_run(runs[i], stop), len(runs),
+                    name="ckptmgr-read")
         for r in reads:
             if not r.ok:
                 raise self._corrupt(f"checksum mismatch in the bytes of {r.idx.fqn!r}", r.loc.file)
@@ -317,7 +276,7 @@ class CkptStorageReader(StorageReader):
             if not batch:
                 return
             if stop.is_set():
-                raise _Stopped
+                raise Stopped
             reader = readers.get(batch_file)
             if reader is None:
                 reader = readers[batch_file] = _RangeReader(

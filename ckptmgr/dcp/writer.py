@@ -30,7 +30,7 @@ import io
 import logging
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,18 +40,17 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptmgr._values import MAX_VALUE_BYTES, NotRepresentableError, encode_value
+from ckptmgr._values import NotRepresentableError, encode_value
 from ckptmgr._version import __version__
 from ckptmgr.dcp._bytes import Hasher, checksum, lower_thread_priority, tensor_memoryview
 from ckptmgr.dcp._metadata_json import ItemLocation, encode_metadata
-from ckptmgr.errors import ConfigError, UnsafeCheckpointError
+from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
+from ckptmgr.errors import UnsafeCheckpointError
 from ckptmgr.layout import MANIFEST_NAME, data_file_name, join, metadata_file_name
 from ckptmgr.manifest import FileEntry, Manifest, encode_manifest, utc_now_iso
-from ckptmgr.storage import Storage
+from ckptmgr.storage import AtomicRename, Storage, VectoredWriter
 
-__all__ = [
-    "DEFAULT_IO_NICE", "DEFAULT_NUM_THREADS", "CkptStorageWriter", "CommitPlan", "split_runs",
-]
+__all__ = ["DEFAULT_IO_NICE", "DEFAULT_NUM_THREADS", "CkptStorageWriter", "CommitPlan"]
 
 log = logging.getLogger("ckptmgr")
 _FILE_MARK = "\x00ckptmgr-file:"
@@ -68,27 +67,6 @@ DEFAULT_NUM_THREADS = 1
 """Streams per rank when the caller does not choose: one saturates the local disk measured here."""
 DEFAULT_IO_NICE = 0
 """Nice increment of the stream threads when the caller does not choose."""
-
-
-class _Stopped(Exception):
-    """Another stream failed: this one stops early (its error is not the one to report)."""
-
-
-def split_runs(sizes: Sequence[int], num: int, min_bytes: int | None = None) -> list[int]:
-    """Cut positions splitting ``sizes`` (kept in order) into at most ``num`` runs of about equal
-    bytes, each holding about ``min_bytes`` or more (default 256 MiB). Returns the run starts.
-    """
-    if min_bytes is None:
-        min_bytes = _MIN_STREAM_BYTES
-    total = sum(sizes)
-    num = max(1, min(num, len(sizes), total // max(1, min_bytes)))
-    starts = [0]
-    acc = 0
-    for i, n in enumerate(sizes):
-        if len(starts) < num and acc >= total * len(starts) / num and i > starts[-1]:
-            starts.append(i)
-        acc += n
-    return starts
 
 
 def _item_size(item: WriteItem, encoded: Mapping[MetadataIndex, tuple[bytes, str]]) -> int:
@@ -162,22 +140,15 @@ class CkptStorageWriter(StorageWriter):
 
     def _encode_object(self, fqn: str, obj: Any) -> tuple[bytes, str]:
         try:
-            data, enc = encode_value(obj), "json"
+            return encode_value(obj), "json"
         except NotRepresentableError as e:
             if not self.trusted:
                 raise UnsafeCheckpointError(
                     f"{fqn!r} holds {type(obj).__name__}, which needs pickle: {e}; store plain "
                     "values or tensors, or pass trusted=True to save (and to restore)") from e
-            buf = io.BytesIO()
-            torch.save(obj, buf)
-            data, enc = buf.getvalue(), "pickle"
-        if len(data) > MAX_VALUE_BYTES:
-            # A restore refuses what claims more (it would allocate first): refuse it now.
-            raise ConfigError(
-                f"state value {fqn!r} ({type(obj).__name__}) takes {len(data)} bytes stored, more "
-                f"than the {MAX_VALUE_BYTES} bytes a Python value may; store large data as a "
-                "tensor")
-        return data, enc
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue(), "pickle"
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut: Future[list[WriteResult]] = Future()
@@ -191,43 +162,17 @@ class CkptStorageWriter(StorageWriter):
                 encoded[item.index] = self._encode_object(item.index.fqn, obj)
         items = list(plan.items)
         sizes = [_item_size(i, encoded) for i in items]
-        starts = split_runs(sizes, self.num_threads)
+        starts = split_runs(sizes, self.num_threads, _MIN_STREAM_BYTES)
         bounds = list(zip(starts, [*starts[1:], len(items)], strict=True))
         runs = [items[a:b] for a, b in bounds]
         run_bytes = [sum(sizes[a:b]) for a, b in bounds]
-        stop = threading.Event()
-        outcome: list[tuple[list[WriteResult], FileEntry] | BaseException | None] = (
-            [None] * len(runs))
-
-        def run(index: int) -> None:
-            try:
-                if threaded:
-                    lower_thread_priority(self.io_nice)
-                outcome[index] = self._write_stream(index, runs[index], run_bytes[index], planner,
-                                                    encoded, stop)
-            except BaseException as e:
-                stop.set()
-                outcome[index] = e
-
-        threaded = len(runs) > 1 or self.io_nice > 0
-        if threaded:
-            threads = [threading.Thread(target=run, args=(i,), name=f"ckptmgr-write-{i}",
-                                        daemon=True) for i in range(len(runs))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        else:
-            run(0)
-        errors = [o for o in outcome if isinstance(o, BaseException)]
-        if errors:
-            first = next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
-            raise first
+        outcome = run_streams(
+            lambda i, stop: self._write_stream(i, runs[i], run_bytes[i], planner, encoded, stop),
+            len(runs), name="ckptmgr-write", always_thread=self.io_nice > 0,
+            thread_setup=lambda: lower_thread_priority(self.io_nice))
         results: list[WriteResult] = []
         self.bytes_written = 0
-        for index, o in enumerate(outcome):
-            assert isinstance(o, tuple), "stream finished without an outcome"
-            stream_results, entry = o
+        for index, (stream_results, entry) in enumerate(outcome):
             results.extend(stream_results)
             self.bytes_written += entry.size
             results.append(WriteResult(
@@ -243,7 +188,7 @@ class CkptStorageWriter(StorageWriter):
         results and the file."""
         name = data_file_name(self.plan.attempt, self.rank, index)
         writer = self.storage.open_writer(join(self.plan.write_dir, name), size_hint=nbytes)
-        writev = getattr(writer, "writev", None)
+        writev = writer.writev if isinstance(writer, VectoredWriter) else None
         file_hash = Hasher()
         results: list[WriteResult] = []
         pending: list[memoryview] = []
@@ -266,7 +211,7 @@ class CkptStorageWriter(StorageWriter):
         try:
             for item in items:
                 if stop.is_set():
-                    raise _Stopped
+                    raise Stopped
                 owner: Any
                 if item.type == WriteItemType.BYTE_IO:
                     owner, enc = encoded[item.index]
@@ -339,6 +284,7 @@ class CkptStorageWriter(StorageWriter):
         )
         data = encode_manifest(manifest)
         if p.staged:
+            assert isinstance(self.storage, AtomicRename), "a staged plan needs a rename"
             self.storage.write_bytes(join(p.write_dir, MANIFEST_NAME), data)
             self.storage.fsync_dir(p.write_dir)
             self.storage.rename(p.write_dir, p.step_dir)

@@ -1,5 +1,12 @@
 """The ``Storage`` protocol: the narrow interface every checkpoint byte goes through.
 
+``Storage`` is what every backend has (local disk and object stores alike). What only some have is
+an optional capability, a protocol of its own checked with ``isinstance`` (never by probing for a
+method): :class:`AtomicRename` (POSIX directories), :class:`RangeReads` (an open file read by
+ranges) and, on the writers, :class:`VectoredWriter`. A wrapper around a storage declares exactly
+the capabilities of what it wraps (``tests/_faulty.py`` shows how), so a check never finds a method
+that would fail.
+
 Paths are ``str`` relative to the storage root, '/'-separated (``pathlib`` would mangle ``gs://``).
 Every method raises :class:`ckptmgr.errors.StorageError` naming the object, with the backend's
 exception as ``__cause__``; nothing else escapes.
@@ -7,13 +14,24 @@ exception as ``__cause__``; nothing else escapes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from ckptmgr._redact import redact_url
 from ckptmgr.errors import StorageError
 
-__all__ = ["RootEntry", "Storage", "StorageWriter", "is_not_found", "redact_url"]
+__all__ = [
+    "AtomicRename",
+    "RangeReader",
+    "RangeReads",
+    "RootEntry",
+    "Storage",
+    "StorageWriter",
+    "VectoredWriter",
+    "is_not_found",
+    "redact_url",
+]
 
 
 def is_not_found(err: BaseException) -> bool:
@@ -32,6 +50,7 @@ class RootEntry:
     has_marker: bool
 
 
+@runtime_checkable
 class StorageWriter(Protocol):
     """A file being written: ``write`` chunks, then ``commit`` (durable) or ``abort`` (removed)."""
 
@@ -46,13 +65,37 @@ class StorageWriter(Protocol):
 
 
 @runtime_checkable
+class VectoredWriter(StorageWriter, Protocol):
+    """Capability of a writer: append several buffers in one call, sparing the caller a join."""
+
+    def writev(self, bufs: Sequence[memoryview | bytes]) -> None:
+        """Append each of ``bufs`` in order."""
+
+
+class RangeReader(Protocol):
+    """One file opened for repeated range reads; close it (or use it as a context manager)."""
+
+    def readv_into(self, offset: int, bufs: Sequence[memoryview]) -> None:
+        """Fill ``bufs`` in order with the file's bytes from ``offset`` on.
+
+        Raises:
+            StorageError: the read failed or the file ends early.
+        """
+
+    def close(self) -> None:
+        """Release the file and any read-ahead buffers; idempotent, never raises."""
+
+    def __enter__(self) -> RangeReader: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@runtime_checkable
 class Storage(Protocol):
-    """A checkpoint root on some backend."""
+    """A checkpoint root on some backend: what every backend has."""
 
     url: str
     """The root URL with credentials redacted: safe for logs and messages."""
-    supports_rename: bool
-    """True when directories can be renamed atomically (POSIX); object stores have no rename."""
 
     def scan_root(self, marker: str) -> list[RootEntry]:
         """Top-level entries of the root, with whether ``<entry>/<marker>`` exists.
@@ -89,14 +132,30 @@ class Storage(Protocol):
     def makedirs(self, path: str) -> None:
         """Create directory ``path`` and its parents (no-op on object stores)."""
 
-    def rename(self, src: str, dst: str) -> None:
-        """Rename ``src`` to ``dst`` atomically; only when ``supports_rename``."""
-
-    def fsync_dir(self, path: str) -> None:
-        """Make directory entries under ``path`` durable (no-op where meaningless)."""
-
     def remove(self, path: str, *, recursive: bool = False) -> None:
         """Remove a file, or a directory tree with ``recursive``; absent is not an error."""
 
     def is_symlink(self, path: str) -> bool:
         """Whether ``path`` is a symbolic link (always False on object stores)."""
+
+
+@runtime_checkable
+class AtomicRename(Storage, Protocol):
+    """Capability of a POSIX file system: a directory is renamed into place atomically, after its
+    entries were made durable. Object stores have no rename: there the manifest object, written
+    last, is the commit (DESIGN.md section 5)."""
+
+    def rename(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst`` atomically; never replaces a non-empty directory."""
+
+    def fsync_dir(self, path: str) -> None:
+        """Make the directory entries under ``path`` durable."""
+
+
+@runtime_checkable
+class RangeReads(Storage, Protocol):
+    """Capability: a file opened once and read by many ranges (a kept descriptor, read-ahead),
+    cheaper than one :meth:`Storage.read_into` per range."""
+
+    def open_reader(self, path: str) -> RangeReader:
+        """``path`` opened for range reads."""

@@ -17,7 +17,7 @@ Throughput and robustness, per operation:
   and total time, then fails with :class:`StorageError` naming the object (URL redacted) with the
   backend's exception as ``__cause__``.
 - Credentials from ``storage_options``, the URL or the environment never reach a message or a log
-  line (``_secrets``).
+  line (:mod:`ckptmgr._redact`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from ckptmgr import _redact
 from ckptmgr.errors import ConfigError, StorageError
-from ckptmgr.storage import _retry, _secrets
+from ckptmgr.storage import _retry
 from ckptmgr.storage.base import RootEntry, redact_url
 
 __all__ = [
@@ -83,8 +84,8 @@ def prepare_url(scheme: str, url: str, options: Mapping[str, Any]) -> tuple[str,
         ConfigError: credentials both in the URL and in the options, or in a gs:// URL.
     """
     opts = dict(options)
-    _secrets.register_options(opts)
-    user, password = _secrets.register_url_userinfo(url)
+    _redact.register_options(opts)
+    user, password = _redact.register_url(url)
     if user is None and password is None:
         return url, opts
     shown = redact_url(url)
@@ -407,6 +408,9 @@ class FsspecStorage:
         retry: retry bounds (None: ``_retry.DEFAULT_POLICY`` at call time).
     """
 
+    # Capabilities: RangeReads (open_reader); its writers are VectoredWriters. No AtomicRename:
+    # object stores have no rename. ``supports_rename`` (and ``fsync_dir``) only keep older
+    # callers working until they check ``isinstance(storage, AtomicRename)``.
     supports_rename = False
 
     def __init__(self, fs: Any, root: str, *, display_url: str,
@@ -414,8 +418,8 @@ class FsspecStorage:
         self.fs = fs
         self.root = root.rstrip("/")
         # What the backend was built with, fsspec's config and environment included.
-        _secrets.register_options(getattr(fs, "storage_options", None) or {})
-        self.url = _secrets.redact(display_url)
+        _redact.register_options(getattr(fs, "storage_options", None) or {})
+        self.url = _redact.redact(display_url)
         self.retry = retry
         self._sizes: dict[str, int] = {}
         self._multipart = callable(getattr(fs, "call_s3", None)) and callable(
@@ -441,7 +445,7 @@ class FsspecStorage:
         except StorageError:
             raise
         except Exception as e:
-            raise StorageError(_secrets.redact(
+            raise StorageError(_redact.redact(
                 f"{what} failed for {where}: {type(e).__name__}: {e}")) from e
 
     def _invalidate(self) -> None:
@@ -610,10 +614,9 @@ class FsspecStorage:
         with contextlib.suppress(Exception):
             self.fs.makedirs(self.full(path), exist_ok=True)
 
-    def rename(self, src: str, dst: str) -> None:
-        raise StorageError(f"{self.url} has no atomic rename")
-
     def fsync_dir(self, path: str) -> None:
+        """No-op, kept only for callers written before :class:`AtomicRename` (which object stores
+        do not have; ``fsync_dir`` belongs to it): remove once none calls it."""
         return None
 
     def remove(self, path: str, *, recursive: bool = False) -> None:

@@ -366,8 +366,13 @@ class LocalReader:
 
 
 class LocalStorage:
-    """A checkpoint root on a local (POSIX) file system."""
+    """A checkpoint root on a local (POSIX) file system.
 
+    Capabilities: AtomicRename (rename, fsync_dir), RangeReads (open_reader); its writers are
+    VectoredWriters.
+    """
+
+    # Only keeps older callers working until they check ``isinstance(storage, AtomicRename)``.
     supports_rename = True
 
     def __init__(self, root: str, *, display_url: str | None = None) -> None:
