@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptmgr._values import decode_value
+from ckptmgr._values import MAX_VALUE_BYTES, decode_value
 from ckptmgr.dcp._bytes import Hasher, checksum, tensor_memoryview
 from ckptmgr.dcp._metadata_json import ItemLocation
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
@@ -179,7 +179,13 @@ class CkptStorageReader(StorageReader):
         located = {idx: self._location(idx) for idx in groups}
         self._check_sizes({loc.file for loc in located.values()})
         for idx, loc in located.items():
-            # Checked before allocating a buffer of loc.length bytes or reading anything.
+            # Checked before allocating a buffer of loc.length bytes or reading anything: a
+            # value's claim is bounded, and every claim must lie within the bytes the file has
+            # in storage (its listed size matched the manifest above).
+            if groups[idx][0].type == LoadItemType.BYTE_IO and loc.length > MAX_VALUE_BYTES:
+                raise self._corrupt(
+                    f"value {idx.fqn!r} claims {loc.length} bytes, more than the "
+                    f"{MAX_VALUE_BYTES} a stored Python value may take", loc.file)
             size = self.manifest.file(loc.file).size
             if loc.offset + loc.length > size:
                 raise self._corrupt(

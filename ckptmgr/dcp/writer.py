@@ -40,12 +40,12 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptmgr._values import NotRepresentableError, encode_value
+from ckptmgr._values import MAX_VALUE_BYTES, NotRepresentableError, encode_value
 from ckptmgr._version import __version__
 from ckptmgr.dcp._bytes import Hasher, checksum, lower_thread_priority, tensor_memoryview
 from ckptmgr.dcp._metadata_json import ItemLocation, encode_metadata
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
-from ckptmgr.errors import UnsafeCheckpointError
+from ckptmgr.errors import ConfigError, UnsafeCheckpointError
 from ckptmgr.layout import MANIFEST_NAME, data_file_name, join, metadata_file_name
 from ckptmgr.manifest import FileEntry, Manifest, encode_manifest, utc_now_iso
 from ckptmgr.storage import AtomicRename, Storage, VectoredWriter
@@ -140,15 +140,22 @@ class CkptStorageWriter(StorageWriter):
 
     def _encode_object(self, fqn: str, obj: Any) -> tuple[bytes, str]:
         try:
-            return encode_value(obj), "json"
+            data, enc = encode_value(obj), "json"
         except NotRepresentableError as e:
             if not self.trusted:
                 raise UnsafeCheckpointError(
                     f"{fqn!r} holds {type(obj).__name__}, which needs pickle: {e}; store plain "
                     "values or tensors, or pass trusted=True to save (and to restore)") from e
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        return buf.getvalue(), "pickle"
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            data, enc = buf.getvalue(), "pickle"
+        if len(data) > MAX_VALUE_BYTES:
+            # A restore refuses what claims more (it would allocate first): refuse it now.
+            raise ConfigError(
+                f"state value {fqn!r} ({type(obj).__name__}) takes {len(data)} bytes stored, more "
+                f"than the {MAX_VALUE_BYTES} bytes a Python value may; store large data as a "
+                "tensor")
+        return data, enc
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut: Future[list[WriteResult]] = Future()
