@@ -54,6 +54,7 @@ __all__ = [
     "PreemptionConfig",
     "RetentionConfig",
     "StorageConfig",
+    "check_flag",
     "load_config",
 ]
 
@@ -74,6 +75,8 @@ _RULES: dict[str, str] = {
     "overwrite": "a bool",
     "verify": "a bool",
     "planner": "'auto', 'dcp' or 'xla_spmd'",
+    "read_only": "a bool",
+    "take_over": "a bool",
     "storage": "a mapping",
     "storage.options": "None or a dict with str keys",
     "retention": "a mapping",
@@ -84,7 +87,7 @@ _RULES: dict[str, str] = {
     "retention.best_mode": "'min' or 'max'",
     "retention.keep_best": "None or an int >= 1",
     "async": "a mapping",
-    "async.max_pending_async": "1 (one save in flight is the design)",
+    "async.max_pending_async": "an int >= 1 (one save is in flight; larger values act as 1)",
     "async.backpressure": "'block' or 'skip'",
     "async.num_of_threads": "None or an int >= 1",
     "preemption": "a mapping",
@@ -117,6 +120,8 @@ _FLAT: dict[str, tuple[str, ...]] = {
     "exit_on_preemption": ("preemption", "exit_on_preemption"),
     "preemption_file": ("preemption", "file"),
     "planner": ("planner",),
+    "read_only": ("read_only",),
+    "take_over": ("take_over",),
 }
 _DOTTED_TO_FLAT = {".".join(where): name for name, where in _FLAT.items()}
 
@@ -228,7 +233,8 @@ class AsyncConfig(_Section):
     """The background save queue: one save in flight, and what a save does while one is."""
 
     max_pending_async: Annotated[int, Strict()] = Field(
-        default=1, description="saves in flight; must be 1")
+        default=1, description="saves in flight: ckptmgr keeps one; values > 1 are accepted "
+        "(torch_xla code keeps running) with a warning and act as 1")
     backpressure: Literal["block", "skip"] = Field(
         default="block", description="wait for the in-flight save, or skip the new one")
     num_of_threads: _Int1 | None = Field(
@@ -236,9 +242,13 @@ class AsyncConfig(_Section):
 
     @field_validator("max_pending_async")
     @classmethod
-    def _exactly_one(cls, value: int) -> int:
-        if value != 1:
-            raise _Rule("{name} must be 1 (one save in flight is the design)", got=value)
+    def _at_least_one(cls, value: int) -> int:
+        if value < 1:
+            raise _Rule("{name} must be an int >= 1 (one save in flight is the design)",
+                        got=value)
+        if value > 1:
+            log.warning("max_pending_async=%d: ckptmgr keeps one save in flight; a new save "
+                        "waits for it (backpressure) instead of queueing", value)
         return value
 
 
@@ -318,6 +328,10 @@ class ManagerConfig(_Section):
     planner: Literal["auto", "dcp", "xla_spmd"] = Field(
         default="auto", description="how states are planned: 'auto' picks 'xla_spmd' when the "
         "state holds XLA (or other sharded) tensors, else 'dcp'")
+    read_only: Annotated[bool, Strict()] = Field(
+        default=False, description="open the root as a reader: no writer lease, saves refused")
+    take_over: Annotated[bool, Strict()] = Field(
+        default=False, description="take the root's writer lease even from a live holder")
     storage: StorageConfig = Field(default_factory=StorageConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
@@ -513,6 +527,18 @@ def _read_yaml(path: str) -> Any:
             where = f" at line {mark.line + 1}, column {mark.column + 1}"
         problem = getattr(e, "problem", None) or "syntax error"
         raise ConfigError(f"config file {path!r} is not valid YAML: {problem}{where}") from e
+
+
+def check_flag(name: str, value: Any) -> bool:
+    """``value`` if it is a real bool (flags of the public API are never truthy objects).
+
+    Raises:
+        ConfigError: anything else, e.g. ``"false"``, ``1``, ``[False]`` (names the flag).
+    """
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be a bool (True or False), got {value!r} "
+                          f"({type(value).__name__})")
+    return value
 
 
 def load_config(

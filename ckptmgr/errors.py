@@ -10,6 +10,8 @@ builtin it resembles, so ``except ValueError`` or ``except OSError`` keep workin
     ├── CheckpointNotFoundError(LookupError)   unknown step; lists the available ones
     │   └── IncompleteCheckpointError          the step exists but never committed
     ├── CheckpointExistsError(FileExistsError) the step is already committed
+    ├── LeaseError(RuntimeError)               another live writer holds the root, or this
+    │                                          writer lost its lease (fenced)
     ├── SaveError(RuntimeError)                .step, .failures {rank: exception}
     │   └── AsyncSaveError                     raised once by the next save/save_async/join/close
     └── RestoreError(RuntimeError)             .step
@@ -31,6 +33,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "LeaseError",
     "RestoreError",
     "SaveError",
     "StateMismatchError",
@@ -71,6 +74,11 @@ class IncompleteCheckpointError(CheckpointNotFoundError):
 
 class CheckpointExistsError(CkptmgrError, FileExistsError):
     """The step is already committed; pass ``overwrite=True`` to replace it."""
+
+
+class LeaseError(CkptmgrError, RuntimeError):
+    """Another live writer holds the root's writer lease (the message names it, when it expires
+    and the way out), or this writer lost its lease to another and may no longer commit."""
 
 
 class SaveError(CkptmgrError, RuntimeError):

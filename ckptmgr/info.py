@@ -27,6 +27,9 @@ class StepInfo:
         bytes_per_rank: rank -> bytes that rank wrote.
         versions: ``{"ckptmgr": ..., "torch": ..., "python": ...}`` of the writer.
         mesh: the device mesh description when one was recorded, else None.
+        format: ``"ckptmgr"`` for our steps; ``"dcp"`` for a step written by plain DCP
+            (torch_xla's manager, torchtitan, ``dcp.save``): listed and never written or deleted
+            by ckptmgr; its other fields are empty (its metadata is pickle, never read to list).
     """
 
     step: int
@@ -39,6 +42,14 @@ class StepInfo:
     bytes_per_rank: Mapping[int, int]
     versions: Mapping[str, str]
     mesh: Any = None
+    format: str = "ckptmgr"
+
+    @classmethod
+    def foreign(cls, step: int) -> StepInfo:
+        """The StepInfo of a step written by plain DCP (nothing of it is read)."""
+        empty: Mapping[Any, Any] = MappingProxyType({})
+        return cls(step=step, time="", world_size=0, metrics=empty, metadata=empty, files=(),
+                   total_bytes=0, bytes_per_rank=empty, versions=empty, format="dcp")
 
     @classmethod
     def from_manifest(cls, m: Manifest) -> StepInfo:

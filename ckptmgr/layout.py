@@ -14,14 +14,20 @@ touches the files that a committed manifest points to.
 
 from __future__ import annotations
 
+import operator
 import re
 import secrets
+from typing import Any
+
+from ckptmgr.errors import ConfigError
 
 __all__ = [
     "MANIFEST_NAME",
+    "MAX_STEP",
     "STAGING_PREFIX",
     "check_file_name",
     "check_relpath",
+    "check_step",
     "data_file_name",
     "is_canonical_step_name",
     "join",
@@ -36,6 +42,10 @@ __all__ = [
 MANIFEST_NAME = "commit.json"
 STAGING_PREFIX = ".tmp-"
 
+MAX_STEP = 2**63 - 1
+"""The largest step: every step must fit a signed 64-bit integer (19 decimal digits), so that it
+can be listed back from its directory name and broadcast between ranks."""
+
 _STEP_RE = re.compile(r"(?:0|[1-9][0-9]{0,18})")
 _ATTEMPT_RE = re.compile(r"[0-9a-f]{12}")
 _STAGING_RE = re.compile(r"\.tmp-(0|[1-9][0-9]{0,18})-([0-9a-f]{12})")
@@ -44,6 +54,27 @@ _STAGING_RE = re.compile(r"\.tmp-(0|[1-9][0-9]{0,18})-([0-9a-f]{12})")
 def new_attempt_id() -> str:
     """A fresh 12-hex-digit token naming one save attempt."""
     return secrets.token_hex(6)
+
+
+def check_step(step: Any, what: str = "step") -> int:
+    """``step`` as an int: any integral number (int, ``numpy.int64``, a one-element integer
+    tensor, ``numbers.Integral``) from 0 to :data:`MAX_STEP`; never a bool.
+
+    Raises:
+        ConfigError: anything else (names the value and the rule).
+    """
+    rule = f"{what} must be an integer from 0 to {MAX_STEP} (not a bool)"
+    dtype = getattr(step, "dtype", None)
+    if isinstance(step, bool) or type(step).__name__ == "bool_" or str(dtype) in (
+            "bool", "torch.bool"):
+        raise ConfigError(f"{rule}, got {step!r} ({type(step).__name__})")
+    try:
+        value = operator.index(step)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"{rule}, got {step!r} ({type(step).__name__})") from e
+    if not 0 <= value <= MAX_STEP:
+        raise ConfigError(f"{rule}, got {value}")
+    return int(value)
 
 
 def step_dir_name(step: int) -> str:

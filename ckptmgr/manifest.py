@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from ckptmgr.errors import ConfigError
 from ckptmgr.layout import check_file_name
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "ManifestError",
     "UnsafePathError",
     "check_json_depth",
+    "check_metadata",
+    "check_metrics",
     "decode_manifest",
     "encode_manifest",
     "utc_now_iso",
@@ -89,6 +92,49 @@ class Manifest:
             if f.path == path:
                 return f
         raise KeyError(path)
+
+
+def check_metrics(metrics: Any) -> dict[str, float]:
+    """The ``metrics`` of a save as a plain dict of str -> float (one-element tensors and numpy
+    scalars are read with ``.item()``).
+
+    Raises:
+        ConfigError: not a mapping of str to numbers (bools are not numbers here).
+    """
+    if metrics is None:
+        return {}
+    if not isinstance(metrics, Mapping):
+        raise ConfigError(f"metrics must be a dict of str -> number, got {type(metrics).__name__}")
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        if not isinstance(k, str):
+            raise ConfigError(f"metrics keys must be str, got {k!r}")
+        if not isinstance(v, (int, float)) and callable(getattr(v, "item", None)):
+            size = getattr(v, "size", 1)
+            numel = getattr(v, "numel", None)
+            if (numel() if callable(numel) else size) == 1:
+                v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"metrics[{k!r}] must be a number, got {v!r}")
+        out[k] = float(v)
+    return out
+
+
+def check_metadata(metadata: Any) -> dict[str, Any]:
+    """The ``metadata`` of a save as a plain dict of JSON values.
+
+    Raises:
+        ConfigError: not a mapping with str keys of JSON-serializable values (no NaN).
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping) or not all(isinstance(k, str) for k in metadata):
+        raise ConfigError("metadata must be a dict with str keys of JSON values")
+    try:
+        json.dumps(dict(metadata), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"metadata must be JSON-serializable (no NaN): {e}") from e
+    return dict(metadata)
 
 
 def utc_now_iso() -> str:

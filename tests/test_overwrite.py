@@ -18,7 +18,9 @@ from typing import Any
 import fsspec
 import pytest
 import torch
+from _faulty import Gate
 from _faulty import install as install_faulty
+from _faulty import reset as reset_faulty
 
 from ckptmgr import (
     CheckpointExistsError,
@@ -74,11 +76,14 @@ def test_refused_resave_keeps_the_old_data_intact(root: str) -> None:
         before = _listing(root)
         blobs = {rel: _read(root, rel) for rel in before}
         info = mgr.step_info(3)
+        # Due saves of a committed step are skipped (one warning); forced ones are refused.
+        assert mgr.save(3, _state(2)) is False
+        assert mgr.save_async(3, _state(2)) is False
+        assert mgr.save(3, {"other": torch.ones(1)}) is False
         attempts: list[Any] = [
-            lambda: mgr.save(3, _state(2)),
             lambda: mgr.save(3, _state(2), force=True, metrics={"v": 2.0}),
-            lambda: mgr.save_async(3, _state(2)),  # refused on the caller's thread, not later
-            lambda: mgr.save(3, {"other": torch.ones(1)}),
+            lambda: mgr.save_async(3, _state(2), force=True),  # refused on the caller's thread
+            lambda: mgr.save(3, {"other": torch.ones(1)}, force=True),
         ]
         for attempt in attempts:
             with pytest.raises(CheckpointExistsError, match="overwrite=True") as ei:
@@ -92,8 +97,9 @@ def test_refused_resave_keeps_the_old_data_intact(root: str) -> None:
         assert _restored_version(mgr, 3) == 1
         assert mgr.save(4, _state(4)) is True  # the manager is still usable
     with CheckpointManager(root, save_interval=1) as mgr:  # a restarted run is refused too
+        assert mgr.save(3, _state(5)) is False
         with pytest.raises(CheckpointExistsError):
-            mgr.save(3, _state(5))
+            mgr.save(3, _state(5), force=True)
         assert _restored_version(mgr, 3) == 1
         assert mgr.all_steps() == [3, 4]
 
@@ -150,18 +156,19 @@ def test_overwrite_with_retention(local_root: str) -> None:
         mgr.save(2, _state(20))
         assert mgr.all_steps() == [2, 3]  # overwriting is not a new step: nothing pruned
         assert [_restored_version(mgr, s) for s in (2, 3)] == [20, 30]
-        mgr.save(1, _state(10))  # re-saving a pruned step: older than the 2 newest, pruned again
-        assert mgr.all_steps() == [2, 3]
-    assert {rel.split("/")[0] for rel in _listing(root)} == {"2", "3"}
+        mgr.save(1, _state(10))  # re-saving a pruned step: the save that commits it keeps it
+        assert mgr.all_steps() == [1, 2, 3]
+        mgr.save(4, _state(4))  # the next save's retention counts by step number
+        assert mgr.all_steps() == [3, 4]
+    assert {rel.split("/")[0] for rel in _listing(root)} == {"3", "4"}
 
 
 @pytest.fixture
 def faulty_root() -> Iterator[str]:
-    fs_cls = install_faulty()
+    install_faulty()
     url = f"faulty://overwrite-tests/{uuid.uuid4().hex}"
     yield url
-    fs_cls.fail_data = False
-    fs_cls.delay_s = 0.0
+    reset_faulty()
     fs = fsspec.filesystem("faulty")
     if fs.exists(url):
         fs.rm(url, recursive=True)
@@ -188,14 +195,14 @@ def test_old_version_is_restorable_while_the_overwrite_is_in_flight(faulty_root:
     fs_cls = install_faulty()
     with CheckpointManager(faulty_root, save_interval=1, overwrite=True) as writer:
         writer.save(6, _state(1), metrics={"v": 1.0})
-        fs_cls.delay_s = 0.5  # each data file of the new attempt takes this long to open
+        fs_cls.gate = gate = Gate()  # the new attempt's data files wait here
         writer.save_async(6, _state(2), metrics={"v": 2.0})
-        time.sleep(0.1)
-        with CheckpointManager(faulty_root, save_interval=1) as reader:
+        gate.wait_arrived()
+        with CheckpointManager(faulty_root, save_interval=1, read_only=True) as reader:
             assert reader.all_steps() == [6]
             assert _restored_version(reader, 6) == 1  # mid-overwrite: the old one, whole
+        gate.open()
         writer.join()
-        fs_cls.delay_s = 0.0
         assert _restored_version(writer, 6) == 2
     with CheckpointManager(faulty_root, save_interval=1) as reader:
         assert _restored_version(reader, 6) == 2

@@ -4,15 +4,14 @@ union, best_step(), and restarts that rebuild the policy's view from the manifes
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
 import torch
 
-from ckptmgr import CheckpointManager, CheckpointNotFoundError
+from ckptmgr import CheckpointManager, CheckpointNotFoundError, manifest
 
 Plan = Sequence[tuple[int, dict[str, float] | None]]  # (step, metrics) in save order
 
@@ -79,8 +78,8 @@ CASES: list[Any] = [
     pytest.param(dict(max_to_keep=2), [(10, None), (30, None), (20, None), (5, None),
                                        (40, None)], [30, 40], None, id="order-by-step"),
     pytest.param(dict(max_to_keep=1, best_metric="loss"),
-                 [(100, {"loss": 0.5}), (50, {"loss": 0.1}), (60, {"loss": 0.9})], [50, 100], 50,
-                 id="order-by-step-best"),
+                 [(100, {"loss": 0.5}), (50, {"loss": 0.1}), (60, {"loss": 0.9}),
+                  (110, {"loss": 0.7})], [50, 110], 50, id="order-by-step-best"),
 ]
 
 
@@ -122,8 +121,10 @@ def test_the_newest_step_is_the_largest_not_the_last_saved(local_root: str) -> N
         assert mgr.all_steps() == [10, 13]
         mgr.save(14, _state(14), metrics={"loss": 8.0})
         assert mgr.all_steps() == [10, 14]
-        mgr.save(3, _state(3), metrics={"loss": 7.0})  # saved last, but not the newest step
-        assert mgr.all_steps() == [10, 14]
+        mgr.save(3, _state(3), metrics={"loss": 7.0})  # saved last, but not the newest step:
+        assert mgr.all_steps() == [3, 10, 14]  # kept by the save that committed it
+        mgr.save(15, _state(15), metrics={"loss": 8.5})  # then pruned: not newest, period, best
+        assert mgr.all_steps() == [10, 15]
         _check_content(mgr)
 
 
@@ -170,8 +171,37 @@ def _time_kept(times: dict[int, float], interval: float) -> set[int]:
     return kept
 
 
+class _Clock:
+    """The commit-time clock, moved by the test (no sleeps: the times are exact)."""
+
+    def __init__(self) -> None:
+        self.now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    """Manifests stamped with the time of a :class:`_Clock` instead of the wall clock."""
+    c = _Clock()
+
+    class _Datetime(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return c.now if tz is None else c.now.astimezone(tz)
+
+    monkeypatch.setattr(manifest, "datetime", _Datetime)
+    return c
+
+
+def _stamp(mgr: CheckpointManager, step: int) -> float:
+    stamp = mgr.step_info(step).time  # UTC ISO 8601 from the manifest
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
 @pytest.mark.parametrize("restart", [False, True])
-def test_keep_time_interval(local_root: str, restart: bool) -> None:
+def test_keep_time_interval(local_root: str, clock: _Clock, restart: bool) -> None:
     interval, k = 0.25, 2
     kwargs: dict[str, Any] = dict(max_to_keep=k, keep_time_interval=interval)
     times: dict[int, float] = {}
@@ -182,9 +212,9 @@ def test_keep_time_interval(local_root: str, restart: bool) -> None:
                 mgr.close()
                 mgr = CheckpointManager(local_root, save_interval=1, **kwargs)
             mgr.save(s, _state(s))
-            stamp = mgr.step_info(s).time  # UTC ISO 8601 from the manifest
-            times[s] = datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
-            time.sleep(0.1)
+            times[s] = _stamp(mgr, s)
+            assert times[s] == clock.now.timestamp()  # the test's clock stamped the manifest
+            clock.advance(0.1)
             by_time = _time_kept(times, interval)
             expected = sorted(by_time | set(sorted(times)[-k:]))
             assert mgr.all_steps() == expected, (times, by_time)
@@ -196,15 +226,16 @@ def test_keep_time_interval(local_root: str, restart: bool) -> None:
         _check_content(mgr)
 
 
-def test_time_interval_orders_by_step_not_by_clock(local_root: str) -> None:
+def test_time_interval_orders_by_step_not_by_clock(local_root: str, clock: _Clock) -> None:
     # Steps saved out of order: step 5's commit time is the latest, but it is not the newest step.
     kwargs: dict[str, Any] = dict(max_to_keep=1, keep_time_interval=0.2)
     with CheckpointManager(local_root, save_interval=1, **kwargs) as mgr:
         mgr.save(10, _state(10))
-        time.sleep(0.25)
+        clock.advance(0.25)
         mgr.save(20, _state(20))  # >= 0.2 s after 10: kept by time
-        time.sleep(0.25)
+        clock.advance(0.25)
         mgr.save(5, _state(5))  # first by step order, so the time walk now starts at 5 ...
         assert mgr.all_steps() == [5, 20]  # ... and 10 (earlier than 5 on the clock) goes
+        assert _stamp(mgr, 5) - _stamp(mgr, 20) == 0.25  # (the test's clock stamped them)
         mgr.save(30, _state(30))  # 20's time is before 5's: never kept by time once 5 anchors
         assert mgr.all_steps() == [5, 30]

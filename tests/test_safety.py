@@ -34,6 +34,7 @@ from ckptmgr import (
     RestoreError,
     UnsafeCheckpointError,
 )
+from ckptmgr.lease import LEASE_NAME
 
 # ------------------------------------------------------------------------------------ helpers
 
@@ -366,7 +367,8 @@ def test_pickled_value_needs_trusted_before_any_data_io(
     with CheckpointManager(root, save_interval=1) as mgr:
         with pytest.raises(UnsafeCheckpointError, match="trusted=True"):
             mgr.save(1, {"w": torch.ones(2), "obj": Planted(str(sentinel))})
-        assert not os.path.isdir(root) or os.listdir(root) == []  # nothing written
+        # nothing written (the root holds only the writer lease)
+        assert not os.path.isdir(root) or os.listdir(root) == [LEASE_NAME]
         mgr.save(1, {"w": torch.ones(2), "obj": Planted(str(sentinel))}, trusted=True)
         opened.clear()
         target: dict[str, Any] = {"w": torch.zeros(2), "obj": "untouched"}
@@ -456,7 +458,10 @@ def test_no_planted_pickle_runs_on_construction_listing_info_or_restore(tmp_path
     # A second pass: construction, retention and leftover cleanup.
     with CheckpointManager(root, save_interval=1, max_to_keep=1, best_metric="loss") as mgr:
         mgr.save(20, {"w": torch.ones(4)}, metrics={"loss": 0.0})
-        assert mgr.all_steps() == [20]
+        # 9 and 11 also held plain-DCP files: retention deleted our manifest and files and left
+        # those, so they are now listed as plain-DCP steps (never written or deleted by us).
+        assert mgr.all_steps() == [9, 11, 20]
+        assert mgr.step_info(11).format == "dcp"
     assert not sentinel.exists()
     for rel in (".metadata", "commit.json", "015/commit.json"):  # not ours: left alone
         assert os.path.isfile(os.path.join(root, rel)), rel
@@ -587,7 +592,7 @@ def test_credentials_never_in_repr_errors_logs_or_manifests(
         info = mgr.step_info(2)
         texts += [repr(info), json.dumps(dict(info.metadata)), json.dumps(dict(info.versions))]
         for call in (lambda: mgr.restore(5, {"w": torch.zeros(2)}),
-                     lambda: mgr.save(2, {"w": torch.ones(2)}),
+                     lambda: mgr.save(2, {"w": torch.ones(2)}, force=True),
                      lambda: mgr.restore(2, {"x": torch.zeros(2)})):
             with pytest.raises(CkptmgrError) as ei:
                 call()

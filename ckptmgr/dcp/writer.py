@@ -30,8 +30,7 @@ import io
 import logging
 import sys
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -46,9 +45,10 @@ from ckptmgr.dcp._bytes import Hasher, checksum, lower_thread_priority, tensor_m
 from ckptmgr.dcp._metadata_json import ItemLocation, encode_metadata
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
 from ckptmgr.errors import ConfigError, UnsafeCheckpointError
-from ckptmgr.layout import MANIFEST_NAME, data_file_name, join, metadata_file_name
-from ckptmgr.manifest import FileEntry, Manifest, encode_manifest, utc_now_iso
-from ckptmgr.storage import AtomicRename, Storage, VectoredWriter
+from ckptmgr.layout import data_file_name, join, metadata_file_name
+from ckptmgr.manifest import FileEntry, Manifest, utc_now_iso
+from ckptmgr.step_store import CommitPlan, StepStore
+from ckptmgr.storage import Storage, VectoredWriter
 
 __all__ = ["DEFAULT_IO_NICE", "DEFAULT_NUM_THREADS", "CkptStorageWriter", "CommitPlan"]
 
@@ -75,28 +75,12 @@ def _item_size(item: WriteItem, encoded: Mapping[MetadataIndex, tuple[bytes, str
     return item.tensor_storage_size() or 0
 
 
-@dataclass(frozen=True)
-class CommitPlan:
-    """What the coordinator decided for one save attempt (broadcast to every rank)."""
-
-    step: int
-    attempt: str
-    write_dir: str
-    step_dir: str
-    staged: bool
-    overwrite: bool
-    world_size: int
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    metadata: Mapping[str, Any] = field(default_factory=dict)
-    mesh: Any = None
-
-
 class CkptStorageWriter(StorageWriter):
     """Writes one save attempt of one rank; the coordinator's instance also commits it."""
 
     def __init__(self, storage: Storage, plan: CommitPlan, rank: int, *,
                  trusted: bool = False, num_threads: int | None = None,
-                 io_nice: int | None = None) -> None:
+                 io_nice: int | None = None, fence: Callable[[], None] | None = None) -> None:
         """
         Args:
             storage: where the step is written.
@@ -107,6 +91,8 @@ class CkptStorageWriter(StorageWriter):
             io_nice: raise the nice value of the stream threads by this much (0: leave it;
                 None: :data:`DEFAULT_IO_NICE`); meant for background saves, so that training
                 keeps its cores.
+            fence: called by the coordinator right before the step becomes visible; raises
+                to stop the commit (a writer that lost the root's lease).
         """
         super().__init__()
         self.storage = storage
@@ -115,6 +101,7 @@ class CkptStorageWriter(StorageWriter):
         self.trusted = trusted
         self.num_threads = max(1, num_threads or DEFAULT_NUM_THREADS)
         self.io_nice = DEFAULT_IO_NICE if io_nice is None else io_nice
+        self.fence = fence
         self.is_coordinator = False
         self.manifest: Manifest | None = None
         self.bytes_written = 0
@@ -289,15 +276,5 @@ class CkptStorageWriter(StorageWriter):
             metrics=dict(p.metrics), metadata=dict(p.metadata), mesh=p.mesh,
             byteorder=sys.byteorder,
         )
-        data = encode_manifest(manifest)
-        if p.staged:
-            assert isinstance(self.storage, AtomicRename), "a staged plan needs a rename"
-            self.storage.write_bytes(join(p.write_dir, MANIFEST_NAME), data)
-            self.storage.fsync_dir(p.write_dir)
-            self.storage.rename(p.write_dir, p.step_dir)
-            self.storage.fsync_dir("")
-        else:
-            self.storage.write_bytes(join(p.step_dir, MANIFEST_NAME), data,
-                                     exclusive=not p.overwrite)
+        StepStore(self.storage).commit(p, manifest, self.fence)
         self.manifest = manifest
-        log.debug("committed step %d (attempt %s) at %s", p.step, p.attempt, self.storage.url)

@@ -1,0 +1,275 @@
+"""One trip down into the DCP core for a save and for a restore.
+
+The manager hands a user's state dict here once: :func:`prepare_save` flattens it, wraps XLA
+tensors, chooses the planner, describes the mesh and refuses values that need pickle (unless
+trusted); :func:`write_step` runs DCP's save through our writer and turns DCP's failures into
+ours. :func:`prepare_restore` reads and checks the manifest and metadata, flattens the target and
+compares it with the checkpoint; :func:`load_step` runs DCP's load through our reader.
+
+Call order and ranks: ``prepare_*`` run on every rank (the caller agrees on the outcome);
+``write_step`` and ``load_step`` are collective over the group they are given.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ckptmgr._values import is_representable
+from ckptmgr.dcp._bytes import checksum
+from ckptmgr.dcp._compat import dcp_load, dcp_save
+from ckptmgr.dcp._metadata_json import MAX_METADATA_BYTES, ItemLocation, decode_metadata
+from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
+from ckptmgr.dcp.reader import CkptStorageReader
+from ckptmgr.dcp.report import CompatibilityReport, compatibility_report, describe_mesh
+from ckptmgr.dcp.spmd import SpmdLoadPlanner, SpmdSavePlanner, has_sharded
+from ckptmgr.dcp.state import FlatState, flatten_state
+from ckptmgr.dcp.writer import CkptStorageWriter
+from ckptmgr.dcp.xla import wrap_xla_tensors
+from ckptmgr.errors import (
+    CkptmgrError,
+    ConfigError,
+    CorruptCheckpointError,
+    LeaseError,
+    RestoreError,
+    SaveError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+)
+from ckptmgr.layout import step_dir_name
+from ckptmgr.manifest import Manifest, ManifestError, UnsafePathError
+from ckptmgr.step_store import CommitPlan, StepStore
+
+__all__ = [
+    "PLANNERS",
+    "PreparedRestore",
+    "PreparedSave",
+    "SavePlanners",
+    "WriteOutcome",
+    "first_failure",
+    "load_step",
+    "prepare_restore",
+    "prepare_save",
+    "read_step_metadata",
+    "write_step",
+]
+
+log = logging.getLogger("ckptmgr")
+
+PLANNERS = ("auto", "dcp", "xla_spmd")
+
+
+def first_failure(e: CheckpointException) -> tuple[int, BaseException, dict[int, BaseException]]:
+    """The lowest failing rank of a DCP failure, its error, and every rank's error."""
+    failures: dict[int, BaseException] = {}
+    for rank, f in sorted(e.failures.items()):
+        failures[rank] = f[0] if isinstance(f, tuple) else f
+    if not failures:
+        return -1, RuntimeError(str(e)), {}
+    rank = min(failures)
+    return rank, failures[rank], failures
+
+
+def _flatten(state_dict: Mapping[str, Any], planner: str) -> tuple[FlatState, bool]:
+    """Flatten a state (XLA tensors become shard views unless ``planner="dcp"``); whether the
+    SPMD planners apply."""
+    fs = flatten_state(state_dict)
+    if planner == "dcp":
+        if has_sharded(fs.flat):
+            raise ConfigError(
+                "the state holds sharded tensors (ShardedTensor values), which planner='dcp' "
+                "cannot plan; use planner='auto' or 'xla_spmd'")
+        return fs, False
+    fs.flat = wrap_xla_tensors(fs.flat)
+    return fs, planner == "xla_spmd" or has_sharded(fs.flat)
+
+
+@dataclass
+class PreparedSave:
+    """A state ready to be written: flat values, the planner choice, the mesh description."""
+
+    state: FlatState
+    spmd: bool
+    mesh: Any
+    pickled: list[str] = field(default_factory=list)
+
+    @property
+    def flat(self) -> dict[str, Any]:
+        return self.state.flat
+
+
+def prepare_save(state_dict: Mapping[str, Any], *, planner: str, trusted: bool) -> PreparedSave:
+    """Flatten and check a state for saving (every rank, caller's thread).
+
+    Raises:
+        ConfigError: a state the chosen planner cannot plan.
+        UnsafeCheckpointError: values that need pickle and not ``trusted``.
+    """
+    fs, spmd = _flatten(state_dict, planner)
+    pickled = [k for k in fs.value_keys() if not is_representable(fs.flat[k])]
+    if pickled and not trusted:
+        kinds = sorted({type(fs.flat[k]).__name__ for k in pickled})
+        raise UnsafeCheckpointError(
+            f"state values {pickled[:10]} ({', '.join(kinds)}) can only be stored with pickle; "
+            "store tensors and plain Python values, or pass trusted=True to save "
+            "(restoring them will need trusted=True too)")
+    return PreparedSave(fs, spmd, describe_mesh(fs.flat), pickled)
+
+
+class SavePlanners:
+    """The save planners of one manager, kept across saves so that an unchanged state reuses its
+    plans (saves never overlap: one runs at a time, on one thread)."""
+
+    def __init__(self) -> None:
+        self._dcp = CkptSavePlanner()
+        self._spmd: SpmdSavePlanner | None = None  # made at the first sharded save
+
+    def get(self, spmd: bool) -> CkptSavePlanner:
+        if not spmd:
+            return self._dcp
+        if self._spmd is None:
+            self._spmd = SpmdSavePlanner()
+        return self._spmd
+
+
+@dataclass(frozen=True)
+class WriteOutcome:
+    """What one rank's write of a step produced."""
+
+    manifest: Manifest | None  # the coordinator's only
+    bytes_written: int
+
+
+def write_step(flat: dict[str, Any], store: StepStore, plan: CommitPlan, *, rank: int,
+               group: Any, planner: CkptSavePlanner, trusted: bool,
+               num_threads: int | None = None,
+               fence: Callable[[], None] | None = None) -> WriteOutcome:
+    """(collective over ``group``) Write ``flat`` as ``plan``'s attempt and commit it.
+
+    On failure the coordinator discards the attempt; the error is a SaveError naming the first
+    failing rank (or the UnsafeCheckpointError / LeaseError that stopped it).
+    """
+    writer = CkptStorageWriter(store.storage, plan, rank, trusted=trusted,
+                               num_threads=num_threads, fence=fence)
+    try:
+        dcp_save(flat, writer, planner, group)
+    except CheckpointException as e:
+        failed_rank, exc, failures = first_failure(e)
+        if rank == 0:
+            store.discard(plan)
+        if isinstance(exc, (UnsafeCheckpointError, LeaseError)):
+            raise exc from None
+        raise SaveError(f"save of step {plan.step} to {store.url} failed on rank {failed_rank}: "
+                        f"{type(exc).__name__}: {exc}", step=plan.step,
+                        failures=failures) from exc
+    finally:
+        planner.release_state()  # keep the plans, not the caller's tensors
+    return WriteOutcome(writer.manifest, writer.bytes_written)
+
+
+def read_step_metadata(store: StepStore, step: int, manifest: Manifest, *,
+                       verify: bool = True) -> Metadata:
+    """The DCP metadata of committed ``step``: size-checked before reading, checksum-checked
+    after, decoded from JSON (never pickle).
+
+    Raises:
+        CorruptCheckpointError, UnsafeCheckpointError: as :meth:`StepStore.read_file`, or
+            metadata that does not decode (names the file).
+    """
+    name = manifest.metadata_file
+    data = store.read_file(step, manifest, name, max_bytes=MAX_METADATA_BYTES, verify=verify,
+                           checksum=checksum)
+    try:
+        return decode_metadata(data)
+    except UnsafePathError as e:
+        raise UnsafeCheckpointError(f"step {step}: {name}: {e}", step=step) from e
+    except ManifestError as e:
+        raise CorruptCheckpointError(f"step {step}: {name}: {e}", step=step, path=name) from e
+
+
+@dataclass
+class PreparedRestore:
+    """A checked restore: the flattened target, the keys to load, the step's manifest and
+    metadata, and the comparison report."""
+
+    state: FlatState
+    keys: list[str]
+    manifest: Manifest
+    metadata: Metadata
+    report: CompatibilityReport
+    spmd: bool
+
+
+def prepare_restore(store: StepStore, step: int, state_dict: Mapping[str, Any], *,
+                    planner: str, allow_partial: bool, trusted: bool, verify: bool,
+                    world_size: int) -> PreparedRestore:
+    """Read and check ``step``'s manifest and metadata and compare them with the target
+    (every rank; the caller agrees on the outcome).
+
+    Raises:
+        RestoreError: a checkpoint of the other byte order.
+        StateMismatchError: missing keys (unless ``allow_partial``), shape or dtype mismatches.
+        UnsafeCheckpointError: requested values stored with pickle and not ``trusted``.
+        CorruptCheckpointError: as :func:`read_step_metadata`.
+    """
+    manifest = store.read_manifest(step)
+    if manifest.byteorder != sys.byteorder:
+        raise RestoreError(f"step {step} was written on a {manifest.byteorder}-endian host; "
+                           f"this host is {sys.byteorder}-endian", step=step)
+    metadata = read_step_metadata(store, step, manifest, verify=verify)
+    fs, spmd = _flatten(state_dict, planner)
+    pickle_keys = {idx.fqn for idx, loc in (metadata.storage_data or {}).items()
+                   if isinstance(loc, ItemLocation) and loc.enc == "pickle"}
+    report = compatibility_report(metadata, fs.flat, manifest.world_size,
+                                  world_size=world_size, saved_mesh=manifest.mesh, step=step)
+    missing, keys = list(report.missing), list(report.loadable)
+    if not report.compatible(allow_partial):
+        raise StateMismatchError(report.error_message(allow_partial), step=step,
+                                 missing=missing, mismatches=list(report.mismatches))
+    log.info("restore plan: %s", report)
+    pickled = [k for k in keys if k in pickle_keys and not trusted]
+    if pickled:
+        raise UnsafeCheckpointError(
+            f"step {step} stores {pickled[:10]} with pickle; pass trusted=True only if you "
+            "trust who wrote this checkpoint", step=step)
+    if missing:
+        log.warning("restore of step %d: %d keys not in the checkpoint left as they are: %s",
+                    step, len(missing), missing[:10])
+    return PreparedRestore(fs, keys, manifest, metadata, report, spmd)
+
+
+def load_step(prepared: PreparedRestore, store: StepStore, step: int, *, rank: int,
+              world_size: int, group: Any, verify: bool, trusted: bool) -> int:
+    """(collective over ``group``) Load ``prepared``'s keys in place; the bytes read here.
+
+    Raises:
+        The CkptmgrError a rank met (prefixed with its rank), or RestoreError.
+    """
+    flat = {k: prepared.state.flat[k] for k in prepared.keys}
+    planner = SpmdLoadPlanner() if prepared.spmd else CkptLoadPlanner()
+    reader = CkptStorageReader(store.storage, step_dir_name(step), prepared.manifest,
+                               prepared.metadata, verify=verify, trusted=trusted)
+    try:
+        dcp_load(flat, reader, planner, group)
+    except CheckpointException as e:
+        failed_rank, exc, _ = first_failure(e)
+        if isinstance(exc, CkptmgrError):
+            if world_size > 1 and failed_rank != rank and exc.args:
+                exc.args = (f"[rank {failed_rank}] {exc.args[0]}", *exc.args[1:])
+            raise exc from None
+        raise RestoreError(f"restore of step {step} failed on rank {failed_rank}: "
+                           f"{type(exc).__name__}: {exc}", step=step) from exc
+    if isinstance(planner, SpmdLoadPlanner):
+        try:
+            planner.write_back()
+        except Exception as e:  # e.g. torch_xla refusing a shard: not a raw backend error
+            raise RestoreError(f"restore of step {step}: loading the read shards onto the "
+                               f"devices failed: {type(e).__name__}: {e}", step=step) from e
+    prepared.state.apply_values(planner.values)
+    return reader.bytes_read

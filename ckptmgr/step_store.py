@@ -1,0 +1,494 @@
+"""The step store: the one place that lists, reads, commits and deletes step directories.
+
+Every step directory of a root goes through :class:`StepStore`: the manager, every CLI command
+and the importer. It knows three kinds of step directory (``<root>/<step>/``):
+
+- **committed**: holds our manifest ``commit.json`` (a step is committed exactly then);
+- **foreign DCP**: no manifest, but a plain-DCP ``.metadata`` (torch_xla's manager, torchtitan,
+  ``dcp.save``): listed and restorable with ``trusted=True``, never written, never deleted;
+- **uncommitted**: neither. It is a *leftover* of a crashed save only when every file in it has a
+  name ckptmgr writes; anything else makes it **foreign** and it is left alone and reported.
+
+Rules it enforces: a manifest is sized before it is read and every path in it stays inside the
+step directory; a step is deleted manifest first, then only the files ckptmgr wrote (a foreign file
+in a committed step survives); a directory or object ckptmgr did not write is never deleted,
+renamed or written into; a due save of an existing step is skipped, a forced one is refused
+(:class:`~ckptmgr.errors.CheckpointExistsError`) unless it is our committed step and overwrite
+is on.
+
+Call order of one save (DESIGN.md section 5): (coordinator) :meth:`StepStore.begin_save` ->
+(all ranks) write data files into ``plan.write_dir`` -> (coordinator) :meth:`StepStore.commit`
+(or :meth:`StepStore.discard` after a failure) -> (coordinator)
+:meth:`StepStore.remove_replaced_attempts` and retention's :meth:`StepStore.delete_step`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptmgr.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CkptmgrError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StorageError,
+    UnsafeCheckpointError,
+)
+from ckptmgr.layout import (
+    MANIFEST_NAME,
+    MAX_STEP,
+    check_step,
+    join,
+    new_attempt_id,
+    parse_staging_name,
+    parse_step_name,
+    staging_dir_name,
+    step_dir_name,
+)
+from ckptmgr.manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ManifestError,
+    UnsafePathError,
+    decode_manifest,
+    encode_manifest,
+)
+from ckptmgr.storage import AtomicRename, Storage, is_not_found
+
+__all__ = [
+    "DCP_METADATA_NAME",
+    "MAX_STEP",
+    "CommitPlan",
+    "RootScan",
+    "StepStore",
+    "check_step",
+    "is_our_file_name",
+]
+
+log = logging.getLogger("ckptmgr")
+
+DCP_METADATA_NAME = ".metadata"
+"""The file whose presence makes a directory a plain-DCP checkpoint (DCP's own commit point)."""
+
+_OUR_PREFIXES = ("data-", "metadata-", f"{MANIFEST_NAME}.tmp-")
+
+
+def is_our_file_name(name: str) -> bool:
+    """Whether ``name`` is a file name ckptmgr writes inside a step directory."""
+    return name == MANIFEST_NAME or name.startswith(_OUR_PREFIXES)
+
+
+@dataclass(frozen=True)
+class CommitPlan:
+    """What the coordinator decided for one save attempt (broadcast to every rank)."""
+
+    step: int
+    attempt: str
+    write_dir: str
+    step_dir: str
+    staged: bool
+    overwrite: bool
+    world_size: int
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    mesh: Any = None
+
+
+@dataclass(frozen=True)
+class RootScan:
+    """One listing of a root, classified.
+
+    Attributes:
+        committed: steps with our manifest, ascending.
+        dcp_steps: steps written by plain DCP (``.metadata``, no manifest of ours), ascending.
+        uncommitted: step directory names with neither (leftovers or foreign: see
+            :meth:`StepStore.is_ours`).
+        staging: staging directory names of saves that never renamed into place.
+        symlinks: step-named entries that are symbolic links (never followed).
+    """
+
+    committed: list[int]
+    dcp_steps: list[int]
+    uncommitted: list[str]
+    staging: list[str]
+    symlinks: list[str]
+
+
+class StepStore:
+    """The step directories of one root.
+
+    Reads are safe from any rank. Writes (:meth:`begin_save`, :meth:`commit`, :meth:`discard`,
+    :meth:`delete_step`, :meth:`remove_leftovers`) are the coordinator's, under the root's writer
+    lease (:mod:`ckptmgr.lease`).
+
+    Args:
+        storage: the root.
+    """
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    @property
+    def url(self) -> str:
+        """The root URL, credentials redacted."""
+        return self.storage.url
+
+    # --------------------------------------------------------------------------------- listing
+
+    def scan(self) -> RootScan:
+        """List and classify the root's entries: O(1) list calls on object stores.
+
+        Raises:
+            StorageError: listing failed.
+        """
+        committed: list[int] = []
+        unmarked: dict[int, str] = {}
+        staging: list[str] = []
+        links: list[str] = []
+        for entry in self.storage.scan_root(MANIFEST_NAME):
+            step = parse_step_name(entry.name)
+            if step is None:
+                if entry.is_dir and parse_staging_name(entry.name) is not None:
+                    staging.append(entry.name)
+                continue
+            if entry.is_symlink:
+                links.append(entry.name)
+            elif entry.is_dir and entry.has_marker:
+                committed.append(step)
+            elif entry.is_dir:
+                unmarked[step] = entry.name
+        dcp: list[int] = []
+        if unmarked:
+            for entry in self.storage.scan_root(DCP_METADATA_NAME):
+                step = parse_step_name(entry.name)
+                if step in unmarked and entry.has_marker and not entry.is_symlink:
+                    dcp.append(step)
+                    del unmarked[step]
+        return RootScan(sorted(committed), sorted(dcp),
+                        [unmarked[s] for s in sorted(unmarked)], sorted(staging), sorted(links))
+
+    def committed_steps(self) -> list[int]:
+        """Steps with our manifest, ascending."""
+        return self.scan().committed
+
+    def is_ours(self, dirname: str) -> bool:
+        """Whether every file in ``dirname`` has a name ckptmgr writes (else it is not ours)."""
+        return all(is_our_file_name(n) for n in self.storage.list_files(dirname))
+
+    def foreign_files(self, dirname: str) -> list[str]:
+        """The files in ``dirname`` that ckptmgr did not write, sorted."""
+        return sorted(n for n in self.storage.list_files(dirname) if not is_our_file_name(n))
+
+    def not_found(self, step: int, available: list[int]) -> CheckpointNotFoundError:
+        """The error for an unknown ``step``: IncompleteCheckpointError when its directory exists
+        but never committed; both list the available steps."""
+        shown = available if len(available) <= 20 else [*available[:5], "...", *available[-10:]]
+        try:
+            leftover = self.storage.exists(step_dir_name(step))
+        except StorageError:
+            leftover = False
+        if leftover:
+            return IncompleteCheckpointError(
+                f"step {step} exists but never committed in {self.url} (no {MANIFEST_NAME}); "
+                f"available steps: {shown}", step=step, available=available)
+        return CheckpointNotFoundError(
+            f"step {step} is not a committed checkpoint in {self.url}; available steps: {shown}",
+            step=step, available=available)
+
+    def resolve(self, step: Any | None, available: list[int] | None = None) -> int:
+        """``step`` if it is in ``available`` (default: the committed steps); None: the newest.
+
+        Raises:
+            ConfigError: ``step`` is not a step number.
+            CheckpointNotFoundError: no such step (IncompleteCheckpointError if uncommitted).
+        """
+        steps = self.committed_steps() if available is None else available
+        if step is None:
+            if not steps:
+                raise CheckpointNotFoundError(f"no committed checkpoint in {self.url}",
+                                              available=[])
+            return steps[-1]
+        step = check_step(step)
+        if step not in steps:
+            raise self.not_found(step, steps)
+        return step
+
+    # --------------------------------------------------------------------------------- reading
+
+    def check_not_symlink(self, step: int) -> None:
+        """Raise UnsafeCheckpointError if the step directory is a symbolic link."""
+        if self.storage.is_symlink(step_dir_name(step)):
+            raise UnsafeCheckpointError(
+                f"step directory {step} in {self.url} is a symbolic link; ckptmgr never follows "
+                "links out of the root (replace it with a real directory)", step=step)
+
+    def read_manifest_bytes(self, step: int) -> tuple[Manifest, bytes]:
+        """The validated manifest of ``step`` and its raw bytes.
+
+        Raises:
+            CheckpointNotFoundError: no manifest (never committed, or deleted meanwhile).
+            CorruptCheckpointError: oversized, unparsable or inconsistent manifest.
+            UnsafeCheckpointError: a symlinked step directory or a path escaping it.
+            StorageError: reading failed.
+        """
+        self.check_not_symlink(step)
+        path = join(step_dir_name(step), MANIFEST_NAME)
+        try:
+            # Sized first: an oversized manifest is refused without reading it.
+            size = self.storage.size(path)
+            if size > MAX_MANIFEST_BYTES:
+                raise CorruptCheckpointError(
+                    f"step {step}: {MANIFEST_NAME}: manifest is {size} bytes, over the "
+                    f"{MAX_MANIFEST_BYTES} limit", step=step, path=MANIFEST_NAME)
+            data = self.storage.read_bytes(path)
+        except StorageError as e:
+            if is_not_found(e):
+                raise self.not_found(step, self.committed_steps()) from e
+            raise
+        try:
+            return decode_manifest(data, expected_step=step), data
+        except UnsafePathError as e:
+            raise UnsafeCheckpointError(f"step {step}: {MANIFEST_NAME}: {e}", step=step) from e
+        except ManifestError as e:
+            raise CorruptCheckpointError(f"step {step}: {MANIFEST_NAME}: {e}", step=step,
+                                         path=MANIFEST_NAME) from e
+
+    def read_manifest(self, step: int) -> Manifest:
+        """The validated manifest of ``step`` (see :meth:`read_manifest_bytes`)."""
+        return self.read_manifest_bytes(step)[0]
+
+    def read_file(self, step: int, manifest: Manifest, name: str, *, max_bytes: int,
+                  verify: bool = True,
+                  checksum: Callable[[bytes], str] | None = None) -> bytes:
+        """The whole of small file ``name`` of committed ``step``, checked against the manifest.
+
+        The size is checked before reading (a file larger than the manifest says, or than
+        ``max_bytes``, is never read); the checksum after, when ``verify`` and ``checksum``.
+
+        Raises:
+            CorruptCheckpointError: missing, wrong size or checksum (names the file).
+            UnsafeCheckpointError: the file is a symbolic link.
+        """
+        entry = manifest.file(name)
+        path = join(step_dir_name(step), name)
+        if self.storage.is_symlink(path):
+            raise UnsafeCheckpointError(
+                f"step {step}: {name} is a symbolic link; ckptmgr never follows links out of the "
+                "step directory", step=step)
+        try:
+            size = self.storage.size(path)
+            if size != entry.size or size > max_bytes:
+                raise CorruptCheckpointError(
+                    f"step {step}: {name}: size is {size} bytes, the manifest says {entry.size}"
+                    + (f" (limit {max_bytes})" if size > max_bytes else ""), step=step, path=name)
+            data = self.storage.read_bytes(path)
+        except StorageError as e:
+            if is_not_found(e):
+                raise CorruptCheckpointError(f"step {step}: {name}: file is missing", step=step,
+                                             path=name) from e
+            raise
+        if len(data) != entry.size or (verify and checksum is not None
+                                       and checksum(data) != entry.checksum):
+            raise CorruptCheckpointError(
+                f"step {step}: {name}: size or checksum does not match the manifest", step=step,
+                path=name)
+        return data
+
+    def current_attempt(self, step: int) -> str | None:
+        """The attempt id of ``step``'s manifest now, None if absent or unreadable."""
+        try:
+            return self.read_manifest(step).attempt
+        except (CkptmgrError, StorageError):
+            return None
+
+    # ---------------------------------------------------------------------------------- saving
+
+    def begin_save(self, step: int, *, forced: bool, overwrite: bool, world_size: int,
+                   metrics: Mapping[str, float] | None = None,
+                   metadata: Mapping[str, Any] | None = None, mesh: Any = None,
+                   on_exists: str = "raise") -> CommitPlan | None:
+        """(coordinator, under the lease) Decide where a save of ``step`` writes, from what the
+        root holds now (never from a cached list).
+
+        - absent: a new attempt (staged under a temporary name where the storage renames);
+        - our leftover of a crashed save: removed, then as absent;
+        - our committed step: overwritten with ``overwrite``; else a due save is skipped (None,
+          one warning) and a forced one is CheckpointExistsError;
+        - a foreign directory (a plain-DCP step, or files we did not write): a due save is
+          skipped (None, one warning); a forced one is CheckpointExistsError, even with
+          ``overwrite``: ckptmgr never writes into what it did not write.
+
+        Args:
+            on_exists: "raise" (the rules above for forced saves) or "skip" (always skip an
+                existing step: preemption saves, which must not fail).
+
+        Returns:
+            The plan, or None when the save is skipped.
+        """
+        sdir = step_dir_name(step)
+        if self.storage.is_symlink(sdir):
+            self._refuse(step, forced and on_exists == "raise",
+                         f"step directory {sdir} in {self.url} is a symbolic link")
+            return None
+        files = self.storage.list_files(sdir)
+        committed = MANIFEST_NAME in files
+        foreign = sorted(n for n in files if not is_our_file_name(n))
+        if foreign:
+            what = ("a plain-DCP checkpoint (.metadata)" if DCP_METADATA_NAME in foreign
+                    else f"files ckptmgr did not write ({', '.join(foreign[:5])})")
+            self._refuse(
+                step, forced and on_exists == "raise",
+                f"step {step} in {self.url} holds {what}; ckptmgr never writes into or deletes "
+                "what it did not write: move those files away, or save under another root or "
+                "step")
+            return None
+        if committed and not overwrite:
+            self._refuse(
+                step, forced and on_exists == "raise",
+                f"step {step} is already committed in {self.url}; pass overwrite=True to "
+                "replace it, or save another step")
+            return None
+        attempt = new_attempt_id()
+        staged = isinstance(self.storage, AtomicRename) and not committed
+        if staged:
+            if files or self.storage.exists(sdir):
+                # Our own leftover of a crashed save of this very step blocks the rename.
+                log.info("removing uncommitted leftover %s/%s (only ckptmgr's files)", self.url,
+                         sdir)
+                self.storage.remove(sdir, recursive=True)
+            write_dir = staging_dir_name(step, attempt)
+        else:
+            write_dir = sdir
+        self.storage.makedirs(write_dir)
+        return CommitPlan(step=step, attempt=attempt, write_dir=write_dir, step_dir=sdir,
+                          staged=staged, overwrite=committed, world_size=world_size,
+                          metrics=dict(metrics or {}), metadata=dict(metadata or {}), mesh=mesh)
+
+    def _refuse(self, step: int, raise_it: bool, message: str) -> None:
+        if raise_it:
+            raise CheckpointExistsError(message)
+        log.warning("skipping the save of step %d: %s", step, message)
+
+    def commit(self, plan: CommitPlan, manifest: Manifest,
+               fence: Callable[[], None] | None = None) -> None:
+        """(coordinator, after every rank's files are durable) Make ``plan``'s step visible.
+
+        Staged: the manifest goes into the staging directory, which is fsynced and renamed into
+        place, then the root is fsynced. Direct (object stores, overwrite): the step directory is
+        fsynced, then the manifest is written in one atomic put (exclusive unless overwriting).
+        ``fence`` runs right before the step becomes visible and raises to stop it (a writer
+        that lost its lease).
+        """
+        data = encode_manifest(manifest)
+        storage = self.storage
+        if plan.staged:
+            assert isinstance(storage, AtomicRename), "a staged plan on a storage without rename"
+            storage.write_bytes(join(plan.write_dir, MANIFEST_NAME), data)
+            storage.fsync_dir(plan.write_dir)
+            if fence is not None:
+                fence()
+            storage.rename(plan.write_dir, plan.step_dir)
+            storage.fsync_dir("")
+        else:
+            if isinstance(storage, AtomicRename):
+                storage.fsync_dir(plan.step_dir)  # the new attempt's files, before the manifest
+            if fence is not None:
+                fence()
+            self.storage.write_bytes(join(plan.step_dir, MANIFEST_NAME), data,
+                                     exclusive=not plan.overwrite)
+        log.debug("committed step %d (attempt %s) at %s", plan.step, plan.attempt, self.url)
+
+    def discard(self, plan: CommitPlan) -> None:
+        """(coordinator) Remove what a failed attempt wrote; never a committed manifest's files.
+        Best effort: a failure is logged, not raised."""
+        try:
+            if plan.staged:
+                self.storage.remove(plan.write_dir, recursive=True)
+                return
+            if self.current_attempt(plan.step) == plan.attempt:
+                return  # it committed after all
+            for name in self.storage.list_files(plan.step_dir):
+                if plan.attempt in name and is_our_file_name(name):
+                    self.storage.remove(join(plan.step_dir, name))
+            if not plan.overwrite and not self.storage.list_files(plan.step_dir):
+                self.storage.remove(plan.step_dir, recursive=True)
+        except (StorageError, CkptmgrError) as e:
+            log.warning("could not remove files of failed attempt %s of step %d: %s",
+                        plan.attempt, plan.step, e)
+
+    def remove_replaced_attempts(self, plan: CommitPlan) -> None:
+        """(coordinator, after a direct commit) Remove our files of other attempts of the step:
+        those an overwrite replaced and those of crashed attempts. Best effort."""
+        try:
+            for name in self.storage.list_files(plan.step_dir):
+                if (name != MANIFEST_NAME and plan.attempt not in name
+                        and is_our_file_name(name)):
+                    self.storage.remove(join(plan.step_dir, name))
+        except StorageError as e:
+            log.warning("could not remove files replaced by the save of step %d: %s",
+                        plan.step, e)
+
+    # -------------------------------------------------------------------------------- deleting
+
+    def delete_step(self, step: int) -> None:
+        """(coordinator, under the lease) Delete our committed ``step``: the manifest first (the
+        step is then no longer listed), then the files ckptmgr wrote; files it did not write
+        stay, with their directory.
+
+        Raises:
+            StorageError: removing the manifest failed (the step is still committed). Later
+                failures are logged: the step is already uncommitted.
+        """
+        sdir = step_dir_name(step)
+        if self.storage.is_symlink(sdir):
+            raise UnsafeCheckpointError(f"step directory {step} in {self.url} is a symbolic "
+                                        "link; not deleting through it", step=step)
+        self.storage.remove(join(sdir, MANIFEST_NAME))
+        try:
+            self._remove_our_dir(sdir)
+        except StorageError as e:
+            log.warning("step %d is uncommitted but its files remain: %s", step, e)
+
+    def _remove_our_dir(self, dirname: str) -> None:
+        foreign = self.foreign_files(dirname)
+        if not foreign:
+            self.storage.remove(dirname, recursive=True)
+            return
+        for name in self.storage.list_files(dirname):
+            if is_our_file_name(name):
+                self.storage.remove(join(dirname, name))
+        log.warning("%s/%s: left %d files ckptmgr did not write: %s", self.url, dirname,
+                    len(foreign), ", ".join(foreign[:5]))
+
+    def remove_leftovers(self, scan: RootScan, *, keep_attempt: str | None = None,
+                         protect: Iterable[int] = ()) -> list[str]:
+        """(coordinator, under the lease: no other writer is in flight) Remove leftovers of
+        crashed saves that are provably ours: staging directories (except ``keep_attempt``'s)
+        and step directories without a manifest holding only files ckptmgr writes (except
+        ``protect``). Foreign directories are reported in the log and left alone. Best effort.
+
+        Returns:
+            The names removed.
+        """
+        keep = set(protect)
+        removed: list[str] = []
+        for name in [*scan.staging, *scan.uncommitted]:
+            staged = parse_staging_name(name)
+            step = staged[0] if staged is not None else parse_step_name(name)
+            if (staged is not None and staged[1] == keep_attempt) or step in keep:
+                continue
+            try:
+                if staged is None and not self.is_ours(name):
+                    log.warning("%s/%s has no manifest but holds files ckptmgr did not write; "
+                                "leaving it", self.url, name)
+                    continue
+                log.info("removing leftover of a crashed save: %s/%s", self.url, name)
+                self.storage.remove(name, recursive=True)
+                removed.append(name)
+            except StorageError as e:
+                log.warning("could not remove leftover %s: %s", name, e)
+        return removed
