@@ -1,7 +1,9 @@
 """A fault-injecting fsspec file system for tests: ``faulty://`` over the in-memory store.
 
 Real backends cannot be made to fail on demand; this wrapper can. ``FaultyFS.fail_data`` makes
-every new data file fail to open with ENOSPC; ``FaultyFS.delay_s`` slows each data-file write down.
+every new data file fail to open with ENOSPC; ``FaultyFS.gate`` (a :class:`Gate`) holds every
+data-file write at its open until the test opens the gate, so "a save is in flight" is a fact the
+test arranged, not a guess about timing.
 
 :class:`FaultyStorage` (made by :func:`wrap`) wraps any :class:`ckptmgr.storage.Storage` instead:
 ``fail_ops`` makes the named storage operations fail, and the wrapper has exactly the optional
@@ -11,7 +13,7 @@ capabilities of the storage it wraps.
 from __future__ import annotations
 
 import errno
-import time
+import threading
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
@@ -29,20 +31,46 @@ from ckptmgr.storage import (
     VectoredWriter,
 )
 
+# A gate left shut by a broken test fails that test instead of hanging the suite.
+GATE_TIMEOUT_S = 120.0
+
+
+class Gate:
+    """Holds the threads that reach it until :meth:`open`; records that one arrived."""
+
+    def __init__(self) -> None:
+        self._arrived = threading.Event()
+        self._opened = threading.Event()
+
+    def pass_(self) -> None:
+        """(the held thread) Say it arrived, then wait until the gate opens."""
+        self._arrived.set()
+        if not self._opened.wait(GATE_TIMEOUT_S):
+            raise TimeoutError(f"the test never opened the gate ({GATE_TIMEOUT_S} s)")
+
+    def wait_arrived(self) -> None:
+        """(the test) Block until a thread is held at the gate."""
+        if not self._arrived.wait(GATE_TIMEOUT_S):
+            raise TimeoutError(f"nothing reached the gate in {GATE_TIMEOUT_S} s")
+
+    def open(self) -> None:
+        """(the test) Let every held thread, and every later one, through."""
+        self._opened.set()
+
 
 class FaultyFS(MemoryFileSystem):  # type: ignore[misc]
     """The memory file system with switchable faults on data files."""
 
     protocol = "faulty"
     fail_data: ClassVar[bool] = False
-    delay_s: ClassVar[float] = 0.0
+    gate: ClassVar[Gate | None] = None
     data_opens: ClassVar[int] = 0
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if ("w" in mode or "x" in mode) and "/data-" in path:
             type(self).data_opens += 1
-            if self.delay_s:
-                time.sleep(self.delay_s)
+            if self.gate is not None:
+                self.gate.pass_()
             if self.fail_data:
                 raise OSError(errno.ENOSPC, "No space left on device (injected)", path)
         return super()._open(path, mode=mode, **kwargs)
@@ -51,10 +79,29 @@ class FaultyFS(MemoryFileSystem):  # type: ignore[misc]
 def install() -> type[FaultyFS]:
     """Register ``faulty://`` with fsspec and reset its switches."""
     fsspec.register_implementation("faulty", FaultyFS, clobber=True)
-    FaultyFS.fail_data = False
-    FaultyFS.delay_s = 0.0
-    FaultyFS.data_opens = 0
+    reset()
     return FaultyFS
+
+
+def reset() -> None:
+    """Switch every fault off (an open gate lets held threads go first)."""
+    if FaultyFS.gate is not None:
+        FaultyFS.gate.open()
+    FaultyFS.fail_data = False
+    FaultyFS.gate = None
+    FaultyFS.data_opens = 0
+
+
+def open_when_called(obj: Any, name: str, gate: Gate) -> None:
+    """Open ``gate`` as ``obj.name(...)`` is entered (so whatever the gate holds is still in
+    flight when that method starts), by wrapping the method on this one instance."""
+    method = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        gate.open()
+        return method(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
 
 
 class FaultyStorage:

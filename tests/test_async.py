@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from _faulty import FaultyFS, install
+from _faulty import FaultyFS, Gate, install, open_when_called, reset
 
 from ckptmgr import AsyncSaveError, CheckpointManager, SaveError
 
@@ -22,8 +22,7 @@ def faulty() -> Iterator[tuple[type[FaultyFS], str]]:
     fs_cls = install()
     url = f"faulty://async-tests/{uuid.uuid4().hex}"
     yield fs_cls, url
-    fs_cls.fail_data = False
-    fs_cls.delay_s = 0.0
+    reset()
     fs = fs_cls()
     if fs.exists(url):
         fs.rm(url, recursive=True)
@@ -101,15 +100,20 @@ def test_failure_raised_by_next_save_async_and_close(faulty: tuple[type[FaultyFS
 
 def test_backpressure_skip_and_block(faulty: tuple[type[FaultyFS], str]) -> None:
     fs_cls, url = faulty
-    fs_cls.delay_s = 0.5
+    fs_cls.gate = gate = Gate()  # step 1's data write waits here: surely in flight
     with CheckpointManager(url, save_interval=1, backpressure="skip") as mgr:
         assert mgr.save_async(1, {"w": torch.ones(2)})
+        gate.wait_arrived()
         assert mgr.save_async(2, {"w": torch.ones(2)}) is False  # in flight: skipped
+        open_when_called(mgr, "save_async", gate)  # 1 is still in flight when 3 is asked for
         assert mgr.save_async(3, {"w": torch.ones(2)}, force=True)  # forced never skips
         mgr.join()
         assert mgr.all_steps() == [1, 3]
+    fs_cls.gate = gate = Gate()
     with CheckpointManager(url, save_interval=1) as mgr:  # "block" waits instead
         assert mgr.save_async(4, {"w": torch.ones(2)})
+        gate.wait_arrived()
+        open_when_called(mgr, "save_async", gate)  # 4 is still in flight when 5 is asked for
         assert mgr.save_async(5, {"w": torch.ones(2)})
         mgr.join()
         assert mgr.all_steps() == [1, 3, 4, 5]
@@ -117,9 +121,11 @@ def test_backpressure_skip_and_block(faulty: tuple[type[FaultyFS], str]) -> None
 
 def test_close_commits_the_save_in_flight(faulty: tuple[type[FaultyFS], str]) -> None:
     fs_cls, url = faulty
-    fs_cls.delay_s = 0.3
+    fs_cls.gate = gate = Gate()
     with CheckpointManager(url, save_interval=1) as mgr:
         mgr.save_async(1, {"w": torch.ones(2)})
+        gate.wait_arrived()
+        open_when_called(mgr, "close", gate)  # the save is in flight when close() begins
     with CheckpointManager(url, save_interval=1) as mgr:
         assert mgr.all_steps() == [1]
 

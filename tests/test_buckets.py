@@ -1,6 +1,6 @@
-"""Object stores, against real servers on 127.0.0.1: the Storage contract on moto, SeaweedFS and
-fake-gcs-server; multipart writes and ranged read-ahead; the commit protocol on buckets; listing in
-O(1) requests; the manager end to end with storage_options; a missing backend.
+"""Object stores, against real servers on 127.0.0.1 (the Storage contract itself runs on them in
+tests/test_storage.py): multipart writes and ranged read-ahead; the commit protocol on buckets;
+listing in O(1) requests; the manager end to end with storage_options; a missing backend.
 
 Server differences the tests pin (the code handles both behaviours):
 - SeaweedFS answers a failed conditional create (``If-None-Match: *``) with a 412 that s3fs turns
@@ -21,17 +21,6 @@ from urllib.parse import quote
 import pytest
 import torch
 from _servers import FakeGcs, FaultProxy, MotoS3, S3Server
-
-# The contract suite of tests/test_storage.py, collected here again with this module's `storage`
-# fixture: the same tests run against every bucket server.
-from test_storage import (  # noqa: F401
-    test_abort_leaves_nothing,
-    test_empty_root,
-    test_exclusive_write,
-    test_remove,
-    test_short_read_is_an_error,
-    test_write_read_list,
-)
 
 import ckptmgr
 from ckptmgr import CheckpointManager, StorageError

@@ -46,13 +46,20 @@ def test_flipped_data_byte_is_detected(local_root: str, offset: int) -> None:
 
 
 def test_flipped_byte_ignored_without_verify(local_root: str) -> None:
-    _save(local_root)
+    state = _save(local_root)
     path = _data_file(local_root)
     with open(path, "r+b") as f:
         f.seek(4)
+        assert f.read(1) != b"\x7f"  # the write below changes the file
+        f.seek(4)
         f.write(b"\x7f")
     with CheckpointManager(local_root, save_interval=1, verify=False) as mgr:
-        mgr.restore(1, _target())  # explicit opt-out: loads without checksums
+        target = _target()
+        mgr.restore(1, target)  # explicit opt-out: loads without checksums ...
+    # ... the damaged byte as it is on disk: exactly one element differs, the rest is intact
+    changed = [int((target[k] != state[k]).sum()) for k in ("a", "b")]  # type: ignore[index]
+    assert sorted(changed) == [0, 1], changed
+    assert target["meta"] == {"epoch": 3}
 
 
 def test_truncated_data_file(local_root: str) -> None:

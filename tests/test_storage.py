@@ -1,7 +1,10 @@
-"""The Storage contract, run against every backend of the default suite."""
+"""The Storage contract, one suite run against every backend: a local directory, ``memory://``,
+and the bucket servers on 127.0.0.1 (moto and SeaweedFS for S3, fake-gcs-server for GCS; started
+once per session by conftest.py, skipped with the reason when one cannot start)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from collections.abc import Iterator
@@ -11,12 +14,18 @@ import pytest
 from ckptmgr.errors import BackendNotInstalledError, ConfigError, StorageError
 from ckptmgr.storage import Storage, is_not_found, open_storage, redact_url
 
+BUCKET = "ckpt-tests"
+_SERVER_FIXTURES = {"s3": "moto_s3", "s3-seaweedfs": "seaweed_s3", "gcs": "fake_gcs"}
 
-@pytest.fixture(params=["local", "memory"])
+
+@pytest.fixture(params=["local", "memory", "s3", "gcs", "s3-seaweedfs"])
 def storage(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[Storage]:
-    if request.param == "local":
+    """A fresh, empty root on each backend (bucket servers through ``storage_options``)."""
+    kind = request.param
+    if kind == "local":
         yield open_storage(os.path.join(tmp_path, "root"))
-    else:
+        return
+    if kind == "memory":
         url = f"memory://storage-tests/{uuid.uuid4().hex}"
         yield open_storage(url)
         import fsspec
@@ -24,6 +33,13 @@ def storage(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Itera
         fs = fsspec.filesystem("memory")
         if fs.exists(url):
             fs.rm(url, recursive=True)
+        return
+    server = request.getfixturevalue(_SERVER_FIXTURES[kind])
+    scheme = "gs" if kind == "gcs" else "s3"
+    prefix = f"{BUCKET}/{uuid.uuid4().hex}"
+    yield open_storage(f"{scheme}://{prefix}", server.storage_options())
+    with contextlib.suppress(FileNotFoundError):
+        server.fs().rm(prefix, recursive=True)
 
 
 def test_empty_root(storage: Storage) -> None:
