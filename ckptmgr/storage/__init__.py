@@ -8,6 +8,7 @@ extra to install.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -54,6 +55,30 @@ def split_scheme(url: str) -> tuple[str | None, str]:
         scheme, rest = url.split("://", 1)
         return scheme.lower(), rest
     return None, url
+
+
+class _NoTraceback(logging.Filter):
+    """Keeps a record's message, drops its traceback: gcsfs logs a full aiohttp traceback for
+    every retry of an unreachable endpoint. The failure still reaches the caller as StorageError
+    with the backend's exception as ``__cause__``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            kind = record.exc_info[0].__name__ if record.exc_info[0] else "error"
+            record.msg = f"{record.getMessage()} ({kind})"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+_GCSFS_FILTER = _NoTraceback()
+
+
+def _quiet_gcsfs_tracebacks() -> None:
+    logger = logging.getLogger("gcsfs")
+    if _GCSFS_FILTER not in logger.filters:
+        logger.addFilter(_GCSFS_FILTER)
 
 
 def _check_local_writable(root: str, shown: str) -> None:
@@ -135,6 +160,8 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *,
     # Credentials (options, URL user:password@, environment) are registered for redaction; an
     # s3 URL's key:secret@ moves into the options.
     url, opts = prepare_url(scheme, url, opts)
+    if scheme in ("gs", "gcs"):
+        _quiet_gcsfs_tracebacks()
     try:
         fs, root = fsspec.core.url_to_fs(url, **opts)
     except ImportError as e:
@@ -145,6 +172,9 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *,
     except Exception as e:
         raise StorageError(f"could not set up storage for {shown}: {type(e).__name__}") from e
     storage_fs = FsspecStorage(fs, root, display_url=shown)
+    # First, and once: an unreachable store fails here, within one call's retries (the clients
+    # retry connection errors themselves), instead of in every call that follows.
+    storage_fs.check_bucket()
     try:
         if fs.isfile(root):
             raise ConfigError(
@@ -152,6 +182,6 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *,
     except ConfigError:
         raise
     except Exception:
-        # The root may not be listable yet (e.g. missing bucket): the first save reports it.
+        # The root may not be listable yet: the first save reports why.
         pass
     return storage_fs

@@ -424,6 +424,8 @@ class FsspecStorage:
         self._sizes: dict[str, int] = {}
         self._multipart = callable(getattr(fs, "call_s3", None)) and callable(
             getattr(fs, "split_path", None))
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self._bucket_store = bool({"s3", "s3a", "gs", "gcs"} & set(protocols))
 
     def __repr__(self) -> str:
         return f"FsspecStorage({self.url!r})"
@@ -445,8 +447,13 @@ class FsspecStorage:
         except StorageError:
             raise
         except Exception as e:
+            hint = ""
+            if any(type(c).__name__ == "NoCredentialsError" for c in _retry.exception_chain(e)):
+                hint = ("; S3 credentials come from storage_options={'key': ..., 'secret': ...}, "
+                        "the AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) environment "
+                        "variables, ~/.aws/credentials, or an instance or pod role")
             raise StorageError(_redact.redact(
-                f"{what} failed for {where}: {type(e).__name__}: {e}")) from e
+                f"{what} failed for {where}: {type(e).__name__}: {e}{hint}")) from e
 
     def _invalidate(self) -> None:
         # Listings must never come from the client's own cache (RECIPES.md).
@@ -611,8 +618,41 @@ class FsspecStorage:
             return False
 
     def makedirs(self, path: str) -> None:
+        if self._bucket_store:
+            return  # no directories on object stores; s3fs and gcsfs would create a bucket
         with contextlib.suppress(Exception):
             self.fs.makedirs(self.full(path), exist_ok=True)
+
+    def check_bucket(self) -> None:
+        """Raise ConfigError when the bucket of an s3:// or gs:// root does not exist (never
+        creates one); StorageError when the store cannot be reached or asked. Other file
+        systems: nothing to check."""
+        if not self._bucket_store:
+            return
+        bucket = self.root.split("/", 1)[0]
+        # s3fs: head_bucket says 404, where exists() says False on any error (even unreachable).
+        if self._multipart:
+            def _head() -> bool:
+                try:
+                    self.fs.call_s3("head_bucket", Bucket=bucket)
+                except Exception as e:
+                    status, code = _retry.status_and_code(e)
+                    if isinstance(e, FileNotFoundError) or status == 404 or code in (
+                            "404", "NoSuchBucket"):
+                        return False
+                    raise
+                return True
+        else:  # gcsfs
+            def _head() -> bool:
+                try:
+                    self.fs.call("GET", "b/{}", bucket, json_out=True)
+                except FileNotFoundError:
+                    return False
+                return True
+        # Not retried on top of the client's own retries: this call is the constructor's budget.
+        if not self._call("checking the bucket of", "", _head, retry=False):
+            raise ConfigError(f"bucket {bucket!r} of {self.url!r} does not exist; create it "
+                              "first (ckptmgr never creates buckets)")
 
     def fsync_dir(self, path: str) -> None:
         """No-op, kept only for callers written before :class:`AtomicRename` (which object stores
