@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -65,3 +66,23 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
         del store
     assert not errors, "\n".join(errors)
     return [results[r] for r in range(world)]
+
+
+def wait_for_file(path: str, timeout_s: float = 120.0) -> None:
+    """Block until ``path`` exists: a gate between processes, opened by whichever process creates
+    the file once it has reached the point the others must wait for.
+
+    Raises:
+        TimeoutError: no file after ``timeout_s`` (the other side failed; do not hang).
+    """
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.01)
+
+
+def open_file_gate(path: str) -> None:
+    """Create ``path``, letting every :func:`wait_for_file` on it through."""
+    with open(path, "x"):
+        pass

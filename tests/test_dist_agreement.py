@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from _mp import run_ranks
+from _mp import open_file_gate, run_ranks, wait_for_file
 
 
 def _state(seed: int) -> dict[str, Any]:
@@ -128,12 +128,16 @@ def _cases(rank: int, world: int, root: str) -> dict[str, Any]:
         # -- a rank that never joins: the others fail within the collective timeout
         os.environ["CKPTMGR_COLLECTIVE_TIMEOUT_S"] = "3"
         short = managers.enter_context(ckptmgr.CheckpointManager(root, save_interval=1))
+        gate = os.path.join(os.path.dirname(root), "straggler-failed")
         if rank == 0:
             t = time.perf_counter()
-            out["straggler"] = _error(lambda: short.save(6, _state(6)))
-            out["straggler_s"] = time.perf_counter() - t
+            try:
+                out["straggler"] = _error(lambda: short.save(6, _state(6)))
+                out["straggler_s"] = time.perf_counter() - t
+            finally:
+                open_file_gate(gate)
         else:
-            time.sleep(4.5)  # longer than the timeout
+            wait_for_file(gate)  # stays away from the save until rank 0 has given up on it
     return out
 
 
