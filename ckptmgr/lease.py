@@ -9,8 +9,9 @@ of its time to live (so a long evaluation phase keeps it), checks it right befor
 Acquiring: an absent lease is created with an exclusive create; a lease whose holder is provably
 dead (same host and the process gone, or this very process and the manager that held it gone) or
 expired is taken over; any other live lease, a second live manager in this same process
-included, is :class:`~ckptmgr.errors.LeaseError` unless ``take_over=True``. A take-over writes the new lease, then reads it back: of two takers racing,
-the one that reads back another's id has lost. Renewal reads the lease first and stops for good
+included, is :class:`~ckptmgr.errors.LeaseError` unless ``take_over=True``. A take-over
+writes the new lease, then reads it back: of two takers racing, the one that reads back
+another's id has lost. Renewal reads the lease first and stops for good
 when the id is not ours any more: that writer is fenced, and its next commit raises LeaseError
 before anything of the attempt becomes visible. The read-then-write of renewal and take-over is
 not a compare-and-swap: two writers can both believe they hold the lease for the moment between
@@ -28,13 +29,15 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ckptmgr.errors import ConfigError, LeaseError, StorageError
 from ckptmgr.storage import Storage, is_not_found
 
-__all__ = ["DEFAULT_TTL_S", "LEASE_NAME", "Lease", "LeaseInfo"]
+__all__ = ["DEFAULT_TTL_S", "LEASE_NAME", "Lease", "LeaseInfo", "writer_lease"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -156,15 +159,24 @@ class Lease:
                     raise
                 current = self.read()  # someone created it between our read and our create
                 if current is None:
-                    raise
+                    # It exists but does not parse (torn by a crash, or edited by hand): it
+                    # holds nobody, like an expired lease. Raising here would block every
+                    # writer of the root until someone deleted the file by hand.
+                    self._take_over_from(None, forced=take_over)
+                    return
             else:
                 self._hold(mine)
                 return
         assert current is not None
         self._take_over_from(current, forced=take_over)
 
-    def _take_over_from(self, current: LeaseInfo, *, forced: bool) -> None:
+    def _take_over_from(self, current: LeaseInfo | None, *, forced: bool) -> None:
         now = time.time()
+        if current is None:
+            log.warning("%s: taking over an unreadable writer lease (%s does not parse)",
+                        self.storage.url, LEASE_NAME)
+            self._write_and_verify()
+            return
         with _HELD_LOCK:
             local = _HELD.get(current.id)
         if current.expires <= now:
@@ -187,6 +199,11 @@ class Lease:
                 "sure it no longer writes")
         if local is not None and local is not self:
             local._mark_lost("taken over (take_over=True) by another CheckpointManager")
+        self._write_and_verify()
+
+    def _write_and_verify(self) -> None:
+        """Write a new lease over whatever is there, then read it back: of two takers racing,
+        the one that reads back another's id has lost."""
         mine = self._new_info()
         self.storage.write_bytes(LEASE_NAME, self._encode(mine))
         back = self.read()
@@ -306,3 +323,19 @@ def _renew_loop(ref: Any, stop: threading.Event, every_s: float) -> None:
             return
         lease.renew()
         del lease
+
+
+@contextmanager
+def writer_lease(storage: Storage, *, take_over: bool = False) -> Iterator[Lease]:
+    """Hold the writer lease of ``storage`` for the duration of a ``with`` block (the CLI's
+    ``prune``, ``import`` and ``cp`` into a root).
+
+    Raises:
+        LeaseError: a live job writes this root.
+    """
+    lease = Lease(storage)
+    lease.acquire(take_over=take_over)
+    try:
+        yield lease
+    finally:
+        lease.release()

@@ -39,6 +39,8 @@ from ckptmgr.errors import (
     CkptmgrError,
     ConfigError,
     CorruptCheckpointError,
+    SaveError,
+    StorageError,
     UnsafeCheckpointError,
 )
 from ckptmgr.info import SaveStats, StepInfo
@@ -164,7 +166,8 @@ class CheckpointManager:
             exit_on_preemption=exit_on_preemption, preemption_file=preemption_file,
             planner=planner, read_only=read_only, take_over=take_over)
         self.config = cfg
-        self._store = StepStore(open_storage(cfg.path, cfg.storage.options))
+        self._store = StepStore(open_storage(cfg.path, cfg.storage.options,
+                                             writable=not cfg.read_only))
         ret = cfg.retention
         self._policy = build_policy(
             max_to_keep=ret.max_to_keep, keep_period=ret.keep_period,
@@ -475,10 +478,14 @@ class CheckpointManager:
     def _begin_on_coordinator(self, req: _Request, prepared: PreparedSave,
                               on_exists: str) -> CommitPlan | None:
         self._check_lease()
-        return self._store.begin_save(
-            req.step, forced=req.forced, overwrite=self.config.overwrite,
-            world_size=self._caller.world_size, metrics=req.metrics, metadata=req.metadata,
-            mesh=prepared.mesh, on_exists=on_exists)
+        try:
+            return self._store.begin_save(
+                req.step, forced=req.forced, overwrite=self.config.overwrite,
+                world_size=self._caller.world_size, metrics=req.metrics, metadata=req.metadata,
+                mesh=prepared.mesh, on_exists=on_exists)
+        except StorageError as e:
+            raise SaveError(f"save of step {req.step} to {self.path} failed: {e}", step=req.step,
+                            failures={self._caller.rank: e}) from e
 
     def _agree_preemption(self) -> int:
         """(collective on the caller group) The preemption signal any rank saw, else 0."""

@@ -310,7 +310,7 @@ class StepStore:
     def begin_save(self, step: int, *, forced: bool, overwrite: bool, world_size: int,
                    metrics: Mapping[str, float] | None = None,
                    metadata: Mapping[str, Any] | None = None, mesh: Any = None,
-                   on_exists: str = "raise") -> CommitPlan | None:
+                   on_exists: str = "raise", attempt: str | None = None) -> CommitPlan | None:
         """(coordinator, under the lease) Decide where a save of ``step`` writes, from what the
         root holds now (never from a cached list).
 
@@ -325,6 +325,8 @@ class StepStore:
         Args:
             on_exists: "raise" (the rules above for forced saves) or "skip" (always skip an
                 existing step: preemption saves, which must not fail).
+            attempt: the attempt id (default: a fresh one); a copy keeps its source's, since
+                its file names carry it.
 
         Returns:
             The plan, or None when the save is skipped.
@@ -352,7 +354,7 @@ class StepStore:
                 f"step {step} is already committed in {self.url}; pass overwrite=True to "
                 "replace it, or save another step")
             return None
-        attempt = new_attempt_id()
+        attempt = attempt or new_attempt_id()
         staged = isinstance(self.storage, AtomicRename) and not committed
         if staged:
             if files or self.storage.exists(sdir):
@@ -373,7 +375,7 @@ class StepStore:
             raise CheckpointExistsError(message)
         log.warning("skipping the save of step %d: %s", step, message)
 
-    def commit(self, plan: CommitPlan, manifest: Manifest,
+    def commit(self, plan: CommitPlan, manifest: Manifest | bytes,
                fence: Callable[[], None] | None = None) -> None:
         """(coordinator, after every rank's files are durable) Make ``plan``'s step visible.
 
@@ -381,9 +383,9 @@ class StepStore:
         place, then the root is fsynced. Direct (object stores, overwrite): the step directory is
         fsynced, then the manifest is written in one atomic put (exclusive unless overwriting).
         ``fence`` runs right before the step becomes visible and raises to stop it (a writer
-        that lost its lease).
+        that lost its lease). ``manifest`` may be encoded already (a copy keeps its bytes).
         """
-        data = encode_manifest(manifest)
+        data = manifest if isinstance(manifest, bytes) else encode_manifest(manifest)
         storage = self.storage
         if plan.staged:
             assert isinstance(storage, AtomicRename), "a staged plan on a storage without rename"
@@ -482,13 +484,27 @@ class StepStore:
             if (staged is not None and staged[1] == keep_attempt) or step in keep:
                 continue
             try:
-                if staged is None and not self.is_ours(name):
-                    log.warning("%s/%s has no manifest but holds files ckptmgr did not write; "
-                                "leaving it", self.url, name)
-                    continue
-                log.info("removing leftover of a crashed save: %s/%s", self.url, name)
-                self.storage.remove(name, recursive=True)
-                removed.append(name)
+                if self.remove_leftover(name):
+                    removed.append(name)
             except StorageError as e:
                 log.warning("could not remove leftover %s: %s", name, e)
         return removed
+
+    def remove_leftover(self, name: str, *, dry_run: bool = False) -> bool:
+        """(under the lease) Remove one uncommitted entry if it is provably ours: a staging
+        directory, or a step directory without a manifest holding only ckptmgr's file names.
+
+        Returns:
+            Whether it was ours (and, unless ``dry_run``, removed). Foreign ones are logged.
+
+        Raises:
+            StorageError: listing or removing failed.
+        """
+        if parse_staging_name(name) is None and not self.is_ours(name):
+            log.warning("%s/%s has no manifest but holds files ckptmgr did not write; leaving it",
+                        self.url, name)
+            return False
+        if not dry_run:
+            log.info("removing leftover of a crashed save: %s/%s", self.url, name)
+            self.storage.remove(name, recursive=True)
+        return True

@@ -175,7 +175,7 @@ def test_inspect(ckpt: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = run(capsys, "inspect", ckpt, "99")
     assert code == 1 and out == ""
     assert err == (f"ckptmgr: error: step 99 is not a committed checkpoint in {ckpt}; "
-                   "available steps: 10, 20, 30\n")
+                   "available steps: [10, 20, 30]\n")
     code, _, err = run(capsys, "inspect", ckpt, "40")
     assert code == 1 and "never committed" in err and err.count("\n") == 1
     code, _, err = run(capsys, "inspect", ckpt, "x")

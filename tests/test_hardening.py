@@ -250,8 +250,6 @@ def test_chmod_0555_root_fails_in_constructor(tmp_path: Path) -> None:
         CheckpointManager(str(root), save_interval=1, chkpt_on_preemption=False)
 
 
-@pytest.mark.xfail(reason="needs the manager change in issue 16 item 9: begin_save's StorageError "
-                   "wrapped in SaveError", strict=False)
 def test_root_read_only_after_construction_save_is_save_error(tmpfs: Path) -> None:
     from ckptmgr import SaveError
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -25,6 +26,7 @@ from ckptmgr._values import is_representable
 from ckptmgr.dcp._bytes import checksum
 from ckptmgr.dcp._compat import dcp_load, dcp_save
 from ckptmgr.dcp._metadata_json import MAX_METADATA_BYTES, ItemLocation, decode_metadata
+from ckptmgr.dcp.optim import prime_optimizer
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
 from ckptmgr.dcp.reader import CkptStorageReader
 from ckptmgr.dcp.report import CompatibilityReport, compatibility_report, describe_mesh
@@ -193,6 +195,23 @@ def read_step_metadata(store: StepStore, step: int, manifest: Manifest, *,
         raise CorruptCheckpointError(f"step {step}: {name}: {e}", step=step, path=name) from e
 
 
+def _prime_unprimed_optimizers(state_dict: Mapping[str, Any], metadata: Metadata) -> None:
+    """Prime every top-level optimizer object without state whose checkpoint entry has state:
+    an in-place load can only fill state that exists."""
+    saved = metadata.state_dict_metadata
+    for key, value in state_dict.items():
+        if isinstance(value, torch.optim.Optimizer) and not value.state and any(
+                k.startswith(f"{key}.state.") for k in saved):
+            prime_optimizer(value)
+
+
+def _unfilled(state_dict: Mapping[str, Any], fs: FlatState, metadata: Metadata) -> list[str]:
+    """Checkpoint entries under a top-level key of ``state_dict`` that the target lacks."""
+    roots = tuple(f"{k}." for k in state_dict if isinstance(k, str))
+    return sorted(k for k in metadata.state_dict_metadata
+                  if k not in fs.flat and k.startswith(roots))
+
+
 @dataclass
 class PreparedRestore:
     """A checked restore: the flattened target, the keys to load, the step's manifest and
@@ -223,12 +242,22 @@ def prepare_restore(store: StepStore, step: int, state_dict: Mapping[str, Any], 
         raise RestoreError(f"step {step} was written on a {manifest.byteorder}-endian host; "
                            f"this host is {sys.byteorder}-endian", step=step)
     metadata = read_step_metadata(store, step, manifest, verify=verify)
+    _prime_unprimed_optimizers(state_dict, metadata)
     fs, spmd = _flatten(state_dict, planner)
     pickle_keys = {idx.fqn for idx, loc in (metadata.storage_data or {}).items()
                    if isinstance(loc, ItemLocation) and loc.enc == "pickle"}
     report = compatibility_report(metadata, fs.flat, manifest.world_size,
                                   world_size=world_size, saved_mesh=manifest.mesh, step=step)
     missing, keys = list(report.missing), list(report.loadable)
+    unfilled = [] if allow_partial else _unfilled(state_dict, fs, metadata)
+    if unfilled:
+        raise StateMismatchError(
+            f"step {step} holds {len(unfilled)} entries under keys you asked to restore that your "
+            f"state lacks, e.g. {unfilled[:6]}: restoring would leave them silently empty. An "
+            "optimizer's state dict is empty until its first step: call "
+            "ckptmgr.prime_optimizer(optimizer) before restore (or pass the optimizer object, "
+            "which ckptmgr primes), or pass allow_partial=True to load only what the state asks "
+            "for", step=step, missing=unfilled, mismatches=[])
     if not report.compatible(allow_partial):
         raise StateMismatchError(report.error_message(allow_partial), step=step,
                                  missing=missing, mismatches=list(report.mismatches))

@@ -20,7 +20,7 @@ __all__ = ["prime_optimizer"]
 _ZEROED_HYPERPARAMETERS = ("lr", "weight_decay")
 
 
-def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
+def prime_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """Create the optimizer state of every trainable parameter that has none, changing nothing else.
 
     Runs ``optimizer.step()`` once with zero gradients on the parameters that need state, no
@@ -61,9 +61,10 @@ def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
         if p.requires_grad and not optimizer.state.get(p)
     ]
     if not needs_state:
-        return
+        return optimizer
     with torch.no_grad():
         _step_on_zero_grads(optimizer, needs_state)
+    return optimizer
 
 
 def _step_on_zero_grads(optimizer: torch.optim.Optimizer, needs_state: list[torch.Tensor]) -> None:

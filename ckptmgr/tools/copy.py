@@ -3,7 +3,6 @@ written last."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,23 +10,24 @@ from typing import Any
 from ckptmgr.dcp import Hasher
 from ckptmgr.errors import (
     CheckpointExistsError,
-    CkptmgrError,
     ConfigError,
     CorruptCheckpointError,
     StorageError,
 )
-from ckptmgr.layout import MANIFEST_NAME, join, new_attempt_id, staging_dir_name, step_dir_name
+from ckptmgr.layout import (
+    check_step,
+    join,
+    step_dir_name,
+)
+from ckptmgr.lease import writer_lease
 from ckptmgr.manifest import Manifest
-from ckptmgr.storage import Storage, open_storage
+from ckptmgr.step_store import StepStore
+from ckptmgr.storage import AtomicRename, Storage, open_storage
 from ckptmgr.tools._common import (
     _CHUNK,
     Progress,
-    _check_step,
-    _committed,
     _file_sizes,
-    _not_found,
     _phase,
-    _read_manifest,
     format_bytes,
 )
 
@@ -77,7 +77,7 @@ def _copy_file(src: Storage, src_path: str, dst: Storage, dst_path: str, size: i
 
 
 def _copy_one(src: Storage, dst: Storage, step: int, manifest: Manifest, raw: bytes,
-              p: Progress) -> None:
+              p: Progress, fence: Callable[[], None]) -> None:
     sdir = step_dir_name(step)
     sizes = _file_sizes(src, sdir, [f.path for f in manifest.files])
     for f in manifest.files:
@@ -86,16 +86,16 @@ def _copy_one(src: Storage, dst: Storage, step: int, manifest: Manifest, raw: by
                 f"size is {sizes[f.path]} bytes, the manifest says {f.size}")
             raise CorruptCheckpointError(f"step {step}: {f.path}: {what} at the source",
                                          step=step, path=f.path)
-    staged = dst.supports_rename
-    write_dir = staging_dir_name(step, new_attempt_id()) if staged else sdir
-    written: list[str] = []
+    store = StepStore(dst)
+    plan = store.begin_save(step, forced=True, overwrite=False, world_size=manifest.world_size,
+                            attempt=manifest.attempt)
+    assert plan is not None, "a forced save is planned or refused, never skipped"
+    write_dir = plan.write_dir
     try:
-        dst.makedirs(write_dir)
         for f in manifest.files:
             target = join(write_dir, f.path)
             if "/" in f.path:
                 dst.makedirs(target.rsplit("/", 1)[0])
-            written.append(target)
             _copy_file(src, join(sdir, f.path), dst, target, f.size, f.checksum, step, f.path, p)
         got = _file_sizes(dst, write_dir, [f.path for f in manifest.files])
         for f in manifest.files:
@@ -103,20 +103,9 @@ def _copy_one(src: Storage, dst: Storage, step: int, manifest: Manifest, raw: by
                 raise StorageError(f"copy of step {step}: {f.path} has {got[f.path]} bytes at "
                                    f"{dst.url}, expected {f.size}")
         # The commit, last: the manifest (bytes as at the source) makes the step visible.
-        if staged:
-            dst.write_bytes(join(write_dir, MANIFEST_NAME), raw)
-            dst.fsync_dir(write_dir)
-            dst.rename(write_dir, sdir)
-            dst.fsync_dir("")
-        else:
-            dst.write_bytes(join(sdir, MANIFEST_NAME), raw, exclusive=True)
+        store.commit(plan, raw, fence)
     except BaseException:
-        with contextlib.suppress(CkptmgrError):
-            if staged:
-                dst.remove(write_dir, recursive=True)
-            else:
-                for path in written:
-                    dst.remove(path)
+        store.discard(plan)
         raise
 
 
@@ -145,26 +134,26 @@ def copy_steps(src_url: str, dst_url: str, steps: Sequence[int] | None = None, *
             committed at the destination).
         ConfigError: source and destination are the same root.
     """
-    src = open_storage(src_url, src_options)
+    src = open_storage(src_url, src_options, writable=False)
     dst = open_storage(dst_url, dst_options)
     if _same_root(src, dst):
         raise ConfigError(f"source and destination are the same root ({src.url})")
-    available = _committed(src)
+    available = StepStore(src).committed_steps()
     if steps is None:
         chosen = available
     else:
-        chosen = sorted({_check_step(s) for s in steps})
+        chosen = sorted({check_step(s) for s in steps})
         for s in chosen:
             if s not in available:
-                raise _not_found(src, s, available)
-    at_dst = set(_committed(dst))
+                raise StepStore(src).not_found(s, available)
+    at_dst = set(StepStore(dst).committed_steps())
     plans: list[tuple[int, Manifest, bytes, bool]] = []
     for s in chosen:
-        manifest, raw = _read_manifest(src, s)
+        manifest, raw = StepStore(src).read_manifest_bytes(s)
         skip = False
         if s in at_dst:
             try:
-                existing, _ = _read_manifest(dst, s)
+                existing, _ = StepStore(dst).read_manifest_bytes(s)
             except CorruptCheckpointError:
                 existing = None
             if existing is None or existing.attempt != manifest.attempt or (
@@ -173,7 +162,7 @@ def copy_steps(src_url: str, dst_url: str, steps: Sequence[int] | None = None, *
                     f"step {s} is already committed at {dst.url} from another save; delete it "
                     "there first (ckptmgr prune) or copy other steps")
             skip = True
-        elif dst.supports_rename and dst.exists(step_dir_name(s)):
+        elif isinstance(dst, AtomicRename) and dst.exists(step_dir_name(s)):
             raise CheckpointExistsError(
                 f"step {s} has an uncommitted leftover at {dst.url}; remove it first "
                 "(ckptmgr prune --incomplete) if no job is saving there")
@@ -181,13 +170,13 @@ def copy_steps(src_url: str, dst_url: str, steps: Sequence[int] | None = None, *
     say = log or (lambda _line: None)
     total = sum(m.total_bytes for _, m, _, skip in plans if not skip)
     results: list[CopyResult] = []
-    with _phase(progress, total, "copy") as p:
+    with _phase(progress, total, "copy") as p, writer_lease(dst) as lease:
         for s, manifest, raw, skip in plans:
             if skip:
                 say(f"step {s}: already at the destination, skipped")
                 results.append(CopyResult(s, "skipped", 0))
                 continue
             say(f"copying step {s} ({format_bytes(manifest.total_bytes)})")
-            _copy_one(src, dst, s, manifest, raw, p)
+            _copy_one(src, dst, s, manifest, raw, p, lease.check)
             results.append(CopyResult(s, "copied", manifest.total_bytes))
     return results

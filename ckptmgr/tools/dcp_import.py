@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ckptmgr.dcp import CkptStorageWriter, CommitPlan, dcp_load, dcp_save
+from ckptmgr.dcp import CkptStorageWriter, dcp_load, dcp_save
 from ckptmgr.dcp.importer import CachedMetadataReader, LazyImportPlanner, nest_items
 from ckptmgr.dcp.state import flatten_state
 from ckptmgr.errors import (
@@ -28,13 +28,12 @@ from ckptmgr.errors import (
     UnsafeCheckpointError,
 )
 from ckptmgr.info import StepInfo
-from ckptmgr.layout import new_attempt_id, staging_dir_name, step_dir_name
+from ckptmgr.layout import check_step, step_dir_name
+from ckptmgr.lease import writer_lease
+from ckptmgr.step_store import StepStore
 from ckptmgr.storage import open_storage, redact_url
 from ckptmgr.tools._common import (
     Progress,
-    _check_step,
-    _committed,
-    _discard,
     _element_size,
     _numel,
     _phase,
@@ -99,14 +98,14 @@ def import_dcp(src: str | os.PathLike[str], dst_url: str, step: int, *, trusted:
         raise UnsafeCheckpointError(
             "importing a plain DCP checkpoint unpickles its .metadata and values, which can run "
             "code; pass trusted=True (--trusted) only for checkpoints you trust")
-    step = _check_step(step)
+    step = check_step(step)
     src_s = os.fspath(src)
     path = _local_dir(src_s)
     metrics_d = {str(k): float(v) for k, v in (metrics or {}).items()}
     meta_d = dict(metadata or {})
     meta_d.setdefault("imported_from", redact_url(src_s))
     storage = open_storage(dst_url, storage_options)
-    if step in _committed(storage):
+    if step in StepStore(storage).committed_steps():
         raise CheckpointExistsError(f"step {step} is already committed in {storage.url}")
     if storage.exists(step_dir_name(step)):
         raise CheckpointExistsError(
@@ -139,28 +138,25 @@ def import_dcp(src: str | os.PathLike[str], dst_url: str, step: int, *, trusted:
     flat = flatten_state(nest_items(items, md.planner_data)).flat
     dcp_key = {id(t): k for k, t in placeholders.items()}
     sources = {key: dcp_key[id(v)] for key, v in flat.items() if isinstance(v, torch.Tensor)}
-    attempt = new_attempt_id()
-    staged = storage.supports_rename
-    sdir = step_dir_name(step)
-    plan = CommitPlan(step=step, attempt=attempt,
-                      write_dir=staging_dir_name(step, attempt) if staged else sdir,
-                      step_dir=sdir, staged=staged, overwrite=False, world_size=1,
-                      metrics=metrics_d, metadata=meta_d)
-    storage.makedirs(plan.write_dir)
-    writer = CkptStorageWriter(storage, plan, 0, trusted=True)
+    store = StepStore(storage)
     total = sum(_numel(m.size) * _element_size(m.properties.dtype) for m in metas.values())
-    try:
-        with _phase(progress, total, "import") as p:
-            planner = LazyImportPlanner(reader, sources, metas, batch_bytes=_IMPORT_BATCH,
-                                        on_bytes=p.advance)
-            dcp_save(flat, writer, planner, None)
-    except CheckpointException as e:
-        _discard(storage, plan)
-        raise SaveError(f"import of {src_s!r} as step {step} failed: {_first_error(e)}",
-                        step=step) from e
-    except BaseException:
-        _discard(storage, plan)
-        raise
+    with writer_lease(storage) as lease:
+        plan = store.begin_save(step, forced=True, overwrite=False, world_size=1,
+                                metrics=metrics_d, metadata=meta_d)
+        assert plan is not None, "a forced save is planned or refused, never skipped"
+        writer = CkptStorageWriter(storage, plan, 0, trusted=True, fence=lease.check)
+        try:
+            with _phase(progress, total, "import") as p:
+                planner = LazyImportPlanner(reader, sources, metas, batch_bytes=_IMPORT_BATCH,
+                                            on_bytes=p.advance)
+                dcp_save(flat, writer, planner, None)
+        except CheckpointException as e:
+            store.discard(plan)
+            raise SaveError(f"import of {src_s!r} as step {step} failed: {_first_error(e)}",
+                            step=step) from e
+        except BaseException:
+            store.discard(plan)
+            raise
     assert writer.manifest is not None, "the writer committed no manifest"
     return StepInfo.from_manifest(writer.manifest)
 

@@ -14,9 +14,11 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ckptmgr.dcp import ItemLocation, checksum, tensor_memoryview
+from ckptmgr.dcp.checkpoint import read_step_metadata
 from ckptmgr.errors import ConfigError, CorruptCheckpointError
 from ckptmgr.layout import join, step_dir_name
 from ckptmgr.manifest import Manifest
+from ckptmgr.step_store import StepStore
 from ckptmgr.storage import Storage, open_storage
 from ckptmgr.tools._common import (
     Progress,
@@ -26,9 +28,6 @@ from ckptmgr.tools._common import (
     _natural,
     _numel,
     _phase,
-    _read_manifest,
-    _read_metadata,
-    _resolve_step,
 )
 from ckptmgr.tools._formats import PtWriter, pt_data_pkl, safetensors_header
 
@@ -253,13 +252,13 @@ def export_step(url: str, step: int | None, out: str | os.PathLike[str], *,
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise ConfigError(f"the output directory {parent!r} does not exist")
-    storage = open_storage(url, storage_options)
-    step = _resolve_step(storage, step)
-    manifest, _ = _read_manifest(storage, step)
+    storage = open_storage(url, storage_options, writable=False)
+    step = StepStore(storage).resolve(step)
+    manifest, _ = StepStore(storage).read_manifest_bytes(step)
     if manifest.byteorder != sys.byteorder:
         raise ConfigError(f"step {step} was written on a {manifest.byteorder}-endian host; "
                           f"this host is {sys.byteorder}-endian")
-    md = _read_metadata(storage, step, manifest)
+    md = read_step_metadata(StepStore(storage), step, manifest)
     planned, skipped = _select(md, only, cast)
     source = _TensorSource(storage, step, manifest, md)
     source.check_files((t.key, t.meta) for t in planned)

@@ -13,25 +13,28 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ckptmgr.dcp import Hasher, ItemLocation, dtype_name
+from ckptmgr.dcp.checkpoint import read_step_metadata
 from ckptmgr.errors import CkptmgrError, CorruptCheckpointError, StorageError
 from ckptmgr.info import StepInfo
-from ckptmgr.layout import MANIFEST_NAME, join, parse_staging_name, parse_step_name, step_dir_name
+from ckptmgr.layout import (
+    MANIFEST_NAME,
+    check_step,
+    join,
+    parse_staging_name,
+    parse_step_name,
+    step_dir_name,
+)
+from ckptmgr.step_store import StepStore
 from ckptmgr.storage import Storage, is_not_found, open_storage
 from ckptmgr.tools._common import (
     _CHUNK,
     Progress,
-    _check_step,
-    _committed,
     _element_size,
     _file_sizes,
     _locations,
     _natural,
-    _not_found,
     _numel,
     _phase,
-    _read_manifest,
-    _read_metadata,
-    _resolve_step,
 )
 
 __all__ = [
@@ -95,7 +98,7 @@ def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None) ->
         ConfigError, BackendNotInstalledError: a bad URL (see :func:`ckptmgr.storage.open_storage`).
         StorageError: listing or reading failed.
     """
-    storage = open_storage(url, storage_options)
+    storage = open_storage(url, storage_options, writable=False)
     out: list[StepListing] = []
     for entry in storage.scan_root(MANIFEST_NAME):
         if entry.is_symlink or not entry.is_dir:
@@ -104,7 +107,7 @@ def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None) ->
         staged = parse_staging_name(entry.name)
         if step is not None and entry.has_marker:
             try:
-                m, _ = _read_manifest(storage, step)
+                m, _ = StepStore(storage).read_manifest_bytes(step)
             except CorruptCheckpointError as e:
                 size = sum(storage.list_files(entry.name).values())
                 out.append(StepListing(entry.name, step, True, "unreadable", None, size, None,
@@ -218,10 +221,10 @@ def inspect_step(url: str, step: int | None = None, *,
             exists but never committed); lists the available steps.
         CorruptCheckpointError: the manifest or metadata does not parse or does not match.
     """
-    storage = open_storage(url, storage_options)
-    step = _resolve_step(storage, step)
-    manifest, _ = _read_manifest(storage, step)
-    md = _read_metadata(storage, step, manifest)
+    storage = open_storage(url, storage_options, writable=False)
+    step = StepStore(storage).resolve(step)
+    manifest, _ = StepStore(storage).read_manifest_bytes(step)
+    md = read_step_metadata(StepStore(storage), step, manifest)
     locs = _locations(md)
     tensors: list[TensorEntry] = []
     values: list[ValueEntry] = []
@@ -315,7 +318,7 @@ class _RangeHashes:
 def _verify_one(storage: Storage, step: int, p: Progress) -> StepVerification:
     sdir = step_dir_name(step)
     try:
-        manifest, _ = _read_manifest(storage, step)
+        manifest, _ = StepStore(storage).read_manifest_bytes(step)
     except CorruptCheckpointError as e:
         return StepVerification(step, 0, 0, (Problem(MANIFEST_NAME, str(e)),))
     problems: list[Problem] = []
@@ -334,7 +337,7 @@ def _verify_one(storage: Storage, step: int, p: Progress) -> StepVerification:
     md_name = manifest.metadata_file
     if not any(pr.path == md_name for pr in problems):
         try:
-            md = _read_metadata(storage, step, manifest)
+            md = read_step_metadata(StepStore(storage), step, manifest)
         except CorruptCheckpointError as e:
             problems.append(Problem(md_name, str(e).split(": ", 2)[-1]))
         else:
@@ -404,25 +407,25 @@ def verify_steps(url: str, steps: Sequence[int | None] | None = None, *, all_ste
         CheckpointNotFoundError: a requested step is not committed (or none is, for the default).
         StorageError: reading failed for a reason other than damage.
     """
-    storage = open_storage(url, storage_options)
-    available = _committed(storage)
+    storage = open_storage(url, storage_options, writable=False)
+    available = StepStore(storage).committed_steps()
     if all_steps:
         chosen = available
     elif steps is None:
-        chosen = [_resolve_step(storage, None)]
+        chosen = [StepStore(storage).resolve(None)]
     else:
         chosen = []
         for s in steps:
             if s is None:  # "latest"
-                s = _resolve_step(storage, None)
-            s = _check_step(s)
+                s = StepStore(storage).resolve(None)
+            s = check_step(s)
             if s not in available:
-                raise _not_found(storage, s, available)
+                raise StepStore(storage).not_found(s, available)
             chosen.append(s)
         chosen = sorted(set(chosen))
     total = 0
     for s in chosen:
         with contextlib.suppress(CkptmgrError):
-            total += _read_manifest(storage, s)[0].total_bytes
+            total += StepStore(storage).read_manifest_bytes(s)[0].total_bytes
     with _phase(progress, total, "verify") as p:
         return [_verify_one(storage, s, p) for s in chosen]

@@ -8,11 +8,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptmgr.errors import StorageError
-from ckptmgr.layout import MANIFEST_NAME, join, parse_staging_name, step_dir_name
+from ckptmgr.errors import CkptmgrError, StorageError
+from ckptmgr.layout import parse_staging_name, step_dir_name
+from ckptmgr.lease import writer_lease
 from ckptmgr.policy import StepRecord, build_policy, steps_to_delete
+from ckptmgr.step_store import StepStore
 from ckptmgr.storage import open_storage
-from ckptmgr.tools._common import _only_our_files
 from ckptmgr.tools.inspect import list_steps
 
 __all__ = ["PruneResult", "prune_steps"]
@@ -73,7 +74,7 @@ def prune_steps(url: str, *, keep_last: int | None = None, keep_every: int | Non
     """
     policy = build_policy(max_to_keep=keep_last or 0, keep_period=keep_every,
                           best_metric=best_metric, best_mode=best_mode, keep_best=keep_best)
-    storage = open_storage(url, storage_options)
+    storage = open_storage(url, storage_options, writable=dry_run is False)
     entries = list_steps(url, storage_options=storage_options)
     records = []
     for e in entries:
@@ -84,44 +85,40 @@ def prune_steps(url: str, *, keep_last: int | None = None, keep_every: int | Non
                     t = _unix(e.time)
             records.append(StepRecord(step=e.step, time=t, metrics=dict(e.metrics)))
     to_delete = steps_to_delete(records, policy) if keep_last is not None else []
-    say = log or (lambda _line: None)
-    verb = "would delete" if dry_run else "deleting"
-    failed: list[str] = []
-    deleted: list[int] = []
-    for step in to_delete:
-        say(f"{verb} step {step}")
-        if dry_run:
+    store = StepStore(storage)
+    with contextlib.nullcontext() if dry_run else writer_lease(storage):
+        say = log or (lambda _line: None)
+        verb = "would delete" if dry_run else "deleting"
+        failed: list[str] = []
+        deleted: list[int] = []
+        for step in to_delete:
+            say(f"{verb} step {step}")
+            if dry_run:
+                deleted.append(step)
+                continue
+            try:
+                store.delete_step(step)  # manifest first; files ckptmgr did not write stay
+            except CkptmgrError as err:
+                failed.append(f"{step_dir_name(step)}: {err}")
+                continue
             deleted.append(step)
-            continue
-        sdir = step_dir_name(step)
-        try:
-            storage.remove(join(sdir, MANIFEST_NAME))  # uncommit first
-        except StorageError as err:
-            failed.append(f"{sdir}: {err}")
-            continue
-        deleted.append(step)
-        try:
-            storage.remove(sdir, recursive=True)
-        except StorageError as err:
-            failed.append(f"{sdir}: uncommitted, but its files remain: {err}")
-    removed: list[str] = []
-    foreign: list[str] = []
-    if incomplete:
-        for e in entries:
-            if e.committed:
-                continue
-            if parse_staging_name(e.name) is None and not _only_our_files(storage, e.name):
-                say(f"leaving {e.name}: it holds files ckptmgr did not write")
-                foreign.append(e.name)
-                continue
-            say(f"{'would remove' if dry_run else 'removing'} incomplete leftover {e.name}")
-            if not dry_run:
+        removed: list[str] = []
+        foreign: list[str] = []
+        if incomplete:
+            for e in entries:
+                if e.committed:
+                    continue
+                if parse_staging_name(e.name) is None and not store.is_ours(e.name):
+                    say(f"leaving {e.name}: it holds files ckptmgr did not write")
+                    foreign.append(e.name)
+                    continue
+                say(f"{'would remove' if dry_run else 'removing'} incomplete leftover {e.name}")
                 try:
-                    storage.remove(e.name, recursive=True)
+                    store.remove_leftover(e.name, dry_run=dry_run)
                 except StorageError as err:
                     failed.append(f"{e.name}: {err}")
                     continue
-            removed.append(e.name)
+                removed.append(e.name)
     gone = set(deleted)
     kept = tuple(r.step for r in records if r.step not in gone)
     return PruneResult(tuple(deleted), kept, tuple(removed), dry_run, tuple(failed),
