@@ -91,33 +91,26 @@ class _View:
 class CheckpointManager:
     """Saves and restores a training state at integer steps under one root URL.
 
-    Args:
-        path: root directory or URL (local path, ``file://``, ``memory://``, ``gs://``,
-            ``s3://``, any fsspec URL). Each step is a sub-directory named by its step number.
+    Args (every one is documented in docs/configuration.md, with its YAML name):
+        path: root directory or URL (local, ``file://``, ``memory://``, ``gs://``, ``s3://``,
+            any fsspec URL); each step is a sub-directory named by its step number.
         save_interval: a step is due when ``step % save_interval == 0``.
-        max_to_keep: keep at most this many newest steps (plus those other policies keep); None or
-            0 keeps every step.
-        max_pending_async: one save in flight is the design; values > 1 act as 1 (a warning).
+        max_to_keep, keep_period, keep_time_interval, best_metric, best_mode, keep_best:
+            retention (None or 0 ``max_to_keep`` keeps every step).
+        max_pending_async: one save is in flight; values > 1 act as 1 (one warning).
         num_of_threads: writer threads per rank (None: chosen by ckptmgr).
         process_group: the training group (None: WORLD when torch.distributed is initialized).
-        chkpt_on_preemption: take a last checkpoint when a preemption signal arrives.
+        chkpt_on_preemption, preemption_signals, preemption_grace_s, exit_on_preemption,
+            preemption_file, preemption_check: at the first save call after a preemption, every
+            rank saves that step, waits for the commit, then exits with 128 + signal (or
+            returns, and ``reached_preemption(step)`` is True).
         storage_options: passed to fsspec (endpoint, credentials, ...).
-        keep_period, keep_time_interval, best_metric, best_mode, keep_best: further retention.
-        overwrite: allow re-saving a committed step (the old one stays valid until the new commit).
+        overwrite: allow re-saving a committed step (the old one stays valid until the commit).
         backpressure: "block" or "skip" while a save is in flight.
         verify: check sizes and checksums on restore.
-        preemption_signals, preemption_grace_s, exit_on_preemption: preemption behaviour: at
-            the first save/save_async call after one of these signals, every rank saves that
-            same step, waits for the commit, then exits with 128 + signal (or returns, and
-            ``reached_preemption(step)`` is True).
-        preemption_file: a path whose appearance also means preemption.
-        preemption_check: a callable returning True on preemption (e.g. a metadata-server poll).
-        planner: "auto" (XLA-SPMD planners when the state holds XLA or other sharded tensors,
-            else DCP-style planning), "dcp" or "xla_spmd".
-        read_only: open the root as a reader: no writer lease; ``save``/``save_async`` raise
-            ConfigError. Readers work beside a job that writes the root.
-        take_over: take the root's writer lease even from a live holder (that writer's next
-            commit then fails with LeaseError).
+        planner: "auto" (XLA-SPMD planners for sharded tensors, else DCP's), "dcp", "xla_spmd".
+        read_only: a reader: no writer lease; saves raise ConfigError.
+        take_over: take the writer lease even from a live holder (it can no longer commit).
 
     Raises:
         ConfigError: an invalid argument (names the field, value and rule), an unknown URL scheme,
@@ -414,21 +407,11 @@ class CheckpointManager:
     def _scan(self) -> _View:
         """(coordinator) List steps; read manifests only if a policy needs them."""
         scan = self._store.scan()
-        records = {s: StepRecord(step=s, time=0.0) for s in scan.committed}
-        if self._needs_records or self.config.retention.best_metric is not None:
-            for s in scan.committed:
-                try:
-                    m = self._store.read_manifest(s)
-                except CkptmgrError as e:
-                    # NaN: no time-based policy keeps or anchors on it; step-based ones apply.
-                    log.warning("step %d: unreadable manifest (%s)", s, e)
-                    records[s] = StepRecord(step=s, time=float("nan"))
-                    continue
-                records[s] = StepRecord(step=s, time=m.unix_time, metrics=dict(m.metrics))
+        read = self._needs_records or self.config.retention.best_metric is not None
+        records = self._store.records(scan.committed, read_manifests=read)
         if scan.dcp_steps:
             log.warning("%s holds %d steps written by plain DCP (%s): listed, never written or "
-                        "deleted by ckptmgr", self._store.url, len(scan.dcp_steps),
-                        scan.dcp_steps[-5:])
+                        "deleted by ckptmgr", self.path, len(scan.dcp_steps), scan.dcp_steps[-5:])
         return _View(records, frozenset(scan.dcp_steps))
 
     def _sorted_records(self) -> list[StepRecord]:

@@ -57,6 +57,7 @@ from ckptmgr.manifest import (
     decode_manifest,
     encode_manifest,
 )
+from ckptmgr.policy import StepRecord
 from ckptmgr.storage import AtomicRename, Storage, is_not_found
 
 __all__ = [
@@ -174,6 +175,24 @@ class StepStore:
     def committed_steps(self) -> list[int]:
         """Steps with our manifest, ascending."""
         return self.scan().committed
+
+    def records(self, steps: Iterable[int], *, read_manifests: bool) -> dict[int, StepRecord]:
+        """Retention's view of committed ``steps``: with time and metrics from each manifest
+        when ``read_manifests`` (an unreadable one gets time NaN: no time-based policy keeps or
+        anchors on it, step-based ones still apply), else step numbers only."""
+        records: dict[int, StepRecord] = {}
+        for s in steps:
+            records[s] = StepRecord(step=s, time=0.0)
+            if not read_manifests:
+                continue
+            try:
+                m = self.read_manifest(s)
+            except CkptmgrError as e:
+                log.warning("step %d: unreadable manifest (%s)", s, e)
+                records[s] = StepRecord(step=s, time=float("nan"))
+                continue
+            records[s] = StepRecord(step=s, time=m.unix_time, metrics=dict(m.metrics))
+        return records
 
     def is_ours(self, dirname: str) -> bool:
         """Whether every file in ``dirname`` has a name ckptmgr writes (else it is not ours)."""

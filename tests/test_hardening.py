@@ -145,54 +145,6 @@ def test_save_leaves_optimizer_state_exactly_as_it_was(local_root: str, fresh: b
         mgr.restore(3, {"app": ModelOptimizerState(model2, optim2)})
 
 
-def test_no_import_cycles() -> None:
-    """Imports between ckptmgr modules flow one way: no module imports itself back (issue 14).
-
-    A module importing its own package (``from ckptmgr.dcp import x`` inside ``ckptmgr.dcp``) is
-    not counted: Python runs the package first. ``from pkg import submodule`` counts as an import
-    of the submodule; importing ``a.b.c`` from outside ``a.b`` counts as importing ``a.b`` too.
-    """
-    import ast
-
-    pkg = Path(__import__("ckptmgr").__file__).parent
-    files = {}
-    for path in pkg.rglob("*.py"):
-        parts = path.relative_to(pkg.parent).with_suffix("").parts
-        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    graph: dict[str, set[str]] = {}
-    for name, path in files.items():
-        deps = graph.setdefault(name, set())
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names if a.name in files)
-            elif isinstance(node, ast.ImportFrom) and node.module in files and node.level == 0:
-                subs = {f"{node.module}.{a.name}" for a in node.names} & set(files)
-                deps.update(subs or {node.module})
-        # Importing ckptmgr.dcp.xla first runs ckptmgr.dcp's __init__ (the root package aside,
-        # which is always initialised first).
-        for dep in list(deps):
-            parts = dep.split(".")
-            deps.update(".".join(parts[:i]) for i in range(2, len(parts)))
-        deps.discard(name)
-        deps.difference_update(d for d in list(deps) if name.startswith(d + "."))
-
-    cycles = []
-    for start in graph:
-        stack, seen = [(start, (start,))], {start}
-        while stack:
-            node, trail = stack.pop()
-            for dep in graph[node]:
-                if dep == start:
-                    cycles.append(" -> ".join((*trail, dep)))
-                elif dep not in seen:
-                    seen.add(dep)
-                    stack.append((dep, (*trail, dep)))
-    assert not cycles, "\n".join(sorted(cycles))
-
-
-# ---------------------------------------------------------------- items 9, 11, 12: local roots
-
-
 def test_nul_byte_in_local_path_is_config_error(tmp_path: Path) -> None:
     from ckptmgr import ConfigError
 

@@ -35,6 +35,7 @@ def test_error_tree() -> None:
         e.CheckpointNotFoundError: (e.CkptmgrError, LookupError),
         e.IncompleteCheckpointError: (e.CheckpointNotFoundError,),
         e.CheckpointExistsError: (e.CkptmgrError, FileExistsError),
+        e.LeaseError: (e.CkptmgrError, RuntimeError),
         e.SaveError: (e.CkptmgrError, RuntimeError),
         e.AsyncSaveError: (e.SaveError,),
         e.RestoreError: (e.CkptmgrError, RuntimeError),
@@ -56,7 +57,7 @@ def test_error_tree() -> None:
 LAYERS = {
     "errors": 0, "_version": 0, "_redact": 0,
     "layout": 1, "manifest": 1, "policy": 1, "config": 1, "_values": 1, "info": 1,
-    "storage": 2,
+    "storage": 2, "step_store": 2, "lease": 2,
     "dcp": 3, "optim": 3,
     "_dist": 4,
     "_async": 5, "preemption": 5,
@@ -117,3 +118,71 @@ def test_torch_xla_is_imported_lazily() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _ckptmgr_imports(path: Path) -> list[str]:
+    """Every ckptmgr module ``path`` imports (``from a import b`` counts ``a.b`` when it is a
+    module), wherever the import statement is (function-level imports too)."""
+    modules = {_module_name(p) for p in PKG.rglob("*.py")}
+    out: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.startswith("ckptmgr")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
+                node.module.startswith("ckptmgr")):
+            subs = [f"{node.module}.{a.name}" for a in node.names]
+            found = [m for m in subs if m in modules]
+            out += found if found else [node.module]
+    return out
+
+
+def test_no_import_cycle() -> None:
+    graph = {_module_name(p): {m for m in _ckptmgr_imports(p) if m != _module_name(p)}
+             for p in PKG.rglob("*.py")}
+    # A package's __init__ re-exporting its modules is not a cycle with them.
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not name.startswith(m + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_private_module_of_another_package() -> None:
+    problems = []
+    for path in sorted(PKG.rglob("*.py")):
+        me = _module_name(path)
+        for mod in _ckptmgr_imports(path):
+            parts = mod.split(".")
+            private = [i for i, p in enumerate(parts) if p.startswith("_") and p != "__init__"]
+            if not private:
+                continue
+            owner = ".".join(parts[:private[0]])  # the package the private module belongs to
+            if not (me == owner or me.startswith(owner + ".")):
+                problems.append(f"{me} imports {mod}, private to {owner}")
+    assert not problems, "\n".join(problems)
