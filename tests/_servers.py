@@ -443,12 +443,6 @@ class FaultProxy:
             self.faults.append(fault)
         return fault
 
-    def clear(self) -> None:
-        """Forget recorded requests and pending faults."""
-        with self._lock:
-            self.requests.clear()
-            self.faults.clear()
-
     @contextlib.contextmanager
     def counting(self) -> Iterator[list[tuple[str, str]]]:
         """Collect the requests made inside the block."""
