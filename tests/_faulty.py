@@ -64,11 +64,9 @@ class FaultyFS(MemoryFileSystem):  # type: ignore[misc]
     protocol = "faulty"
     fail_data: ClassVar[bool] = False
     gate: ClassVar[Gate | None] = None
-    data_opens: ClassVar[int] = 0
 
     def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
         if ("w" in mode or "x" in mode) and "/data-" in path:
-            type(self).data_opens += 1
             if self.gate is not None:
                 self.gate.pass_()
             if self.fail_data:
@@ -89,7 +87,6 @@ def reset() -> None:
         FaultyFS.gate.open()
     FaultyFS.fail_data = False
     FaultyFS.gate = None
-    FaultyFS.data_opens = 0
 
 
 def open_when_called(obj: Any, name: str, gate: Gate) -> None:
