@@ -191,7 +191,9 @@ m = ckptmgr.CheckpointManager(sys.argv[1], save_interval=1, max_to_keep=1)
 base = rss()
 peaks = []
 after = []
-for step in range(20):
+# Ten saves: the high-water mark settles within two, and a leak of even one staging tensor
+# (4 MiB) per save grows RSS by 32 MiB over the eight measured, far above the 5 % (13 MiB) bound.
+for step in range(10):
     m.save_async(step, state)
     m.join()
     peaks.append(hwm() - base)
