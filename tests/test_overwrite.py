@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -211,84 +210,129 @@ def test_old_version_is_restorable_while_the_overwrite_is_in_flight(faulty_root:
 # ---------------------------------------------------------------------------- SIGKILL loop
 
 # A zygote imports torch once (seconds on a small machine), then forks one writer per kill. Each
-# writer overwrites step 7 again and again with distinguishable versions until the test SIGKILLs
-# it; the zygote reaps it and reports how it ended.
+# writer overwrites step 7 once, then arms a gate: its ``kill_at``-th file-system call (fsync,
+# rename, link, unlink, ...) from there prints "gate ..." and blocks until the test SIGKILLs it, so
+# every call of an overwrite gets a kill, by construction rather than by timing. With kill_at=0
+# it counts the calls of one overwrite instead and exits. The zygote reaps each writer and reports
+# how it ended.
 _ZYGOTE = r"""
-import os, sys, torch, ckptmgr
+import os, shutil, sys, threading, time, torch, ckptmgr
 
-def overwrite_forever(root, first):
+WATCHED = [(os, n) for n in ("fsync", "rename", "replace", "link", "unlink", "rmdir", "mkdir",
+                             "makedirs", "ftruncate")] + [(shutil, "rmtree")]
+
+def arm(kill_at):
+    lock = threading.Lock()
+    count = [0]
+    def gated(real, name):
+        def call(*args, **kwargs):
+            with lock:
+                count[0] += 1
+                hit = count[0] == kill_at
+            if hit:
+                print("gate", name, flush=True)
+                while True:
+                    time.sleep(60)
+            return real(*args, **kwargs)
+        return call
+    for mod, name in WATCHED:
+        setattr(mod, name, gated(getattr(mod, name), name))
+    return count
+
+def overwrite(mgr, v):
+    state = {"w": torch.full((256, 256), float(v)), "ramp": torch.arange(25_000) + v,
+             "v": v, "tag": f"version-{v}"}
+    print("begin", v, flush=True)
+    mgr.save(7, state, metrics={"v": float(v)})
+    print("done", v, flush=True)
+
+def writer(root, first, kill_at):
     mgr = ckptmgr.CheckpointManager(root, save_interval=1, overwrite=True,
                                     chkpt_on_preemption=False)
     print("pid", os.getpid(), flush=True)
-    for v in range(first, first + 1_000_000):
-        state = {"w": torch.full((1024, 1024), float(v)), "ramp": torch.arange(100_000) + v,
-                 "v": v, "tag": f"version-{v}"}
-        print("begin", v, flush=True)
-        mgr.save(7, state, metrics={"v": float(v)})
-        print("done", v, flush=True)
+    overwrite(mgr, first)
+    count = arm(kill_at)
+    if kill_at == 0:
+        overwrite(mgr, first + 1)
+        print("calls", count[0], 0, flush=True)
+        return
+    for v in range(first + 1, first + 1_000_000):
+        overwrite(mgr, v)
 
 for line in sys.stdin:
-    root, first = line.split()
+    root, first, kill_at = line.split()
     sys.stdout.flush()
     pid = os.fork()
     if pid == 0:
+        code = 3
         try:
-            overwrite_forever(root, int(first))
+            writer(root, int(first), int(kill_at))
+            code = 0
         finally:
-            os._exit(3)
+            os._exit(code)
     _, status = os.waitpid(pid, 0)
     print("exit", pid, os.waitstatus_to_exitcode(status), flush=True)
 """
 
 
 def _big_version(mgr: CheckpointManager) -> int:
-    out: dict[str, Any] = {"w": torch.zeros(1024, 1024), "ramp": torch.zeros(100_000,
+    out: dict[str, Any] = {"w": torch.zeros(256, 256), "ramp": torch.zeros(25_000,
                            dtype=torch.int64), "v": -1, "tag": ""}
     mgr.restore(7, out)
     v = out["v"]
     assert isinstance(v, int)
-    assert torch.equal(out["w"], torch.full((1024, 1024), float(v))), "torn: w of another version"
-    assert torch.equal(out["ramp"], torch.arange(100_000) + v), "torn: ramp of another version"
+    assert torch.equal(out["w"], torch.full((256, 256), float(v))), "torn: w of another version"
+    assert torch.equal(out["ramp"], torch.arange(25_000) + v), "torn: ramp of another version"
     assert out["tag"] == f"version-{v}"
     assert mgr.step_info(7).metrics == {"v": float(v)}, "torn: manifest of another version"
     return v
+
+
+def _writer(zygote: subprocess.Popen[str], root: str, first: int,
+            kill_at: int) -> list[tuple[str, int]]:
+    """One writer; SIGKILLed at its gate (unless counting). Its lines, the exit report last."""
+    assert zygote.stdin is not None and zygote.stdout is not None
+    zygote.stdin.write(f"{root} {first} {kill_at}\n")
+    zygote.stdin.flush()
+    seen: list[tuple[str, int]] = []
+    pid = 0
+    while not seen or seen[-1][0] != "exit":
+        line = zygote.stdout.readline()
+        assert line, zygote.communicate()[1]
+        word, num, *rest = line.split()
+        if word == "gate":
+            os.kill(pid, signal.SIGKILL)
+            seen.append((word, 0))
+            continue
+        if word == "pid":
+            pid = int(num)
+        seen.append((word, int(rest[0]) if word == "exit" else int(num)))
+    return seen
 
 
 @pytest.mark.slow
 def test_sigkill_during_overwrites_leaves_one_complete_version(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     roots = [str(tmp_path_factory.mktemp("ow") / "run") for _ in range(2)]
-    kills = 10
     outcomes: list[str] = []
     last: dict[str, int] = {}
     with subprocess.Popen([sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as zygote:
-        assert zygote.stdin is not None and zygote.stdout is not None
         try:
+            counted = _writer(zygote, roots[1], 1, 0)
+            assert counted[-1] == ("exit", 0), counted
+            (kills,) = [n for w, n in counted if w == "calls"]
+            assert kills >= 3, counted  # data, manifest, old version's files: one call each
+            last[roots[1]] = 2
             for kill in range(kills):
                 root = roots[kill % 2]
                 first = 1000 * (kill + 1)
-                zygote.stdin.write(f"{root} {first}\n")
-                zygote.stdin.flush()
-                seen: list[tuple[str, int]] = []
-                # Let one overwrite commit (step 7 exists from then on), then kill at a varying
-                # moment after a later one began.
-                target = ("begin", first + 1 + kill % 3)
-                while not seen or seen[-1] != target:
-                    line = zygote.stdout.readline()
-                    assert line, zygote.communicate()[1]
-                    word, num = line.split()
-                    seen.append((word, int(num)))
-                time.sleep(0.006 * kill)  # 0 to 54 ms: sweeps the phases of a ~50 ms save
-                os.kill(seen[0][1], signal.SIGKILL)
-                while True:  # what it printed before dying, then the zygote's report
-                    word, num, *code = zygote.stdout.readline().split()
-                    if word == "exit":
-                        assert int(code[0]) == -signal.SIGKILL, code
-                        break
-                    seen.append((word, int(num)))
+                seen = _writer(zygote, root, first, kill + 1)
+                assert [w for w, _ in seen].count("gate") == 1, seen  # killed at the gate
+                assert seen[-1] == ("exit", -signal.SIGKILL), seen
                 done = [n for w, n in seen if w == "done"]
-                in_flight = seen[-1][1] if seen[-1][0] == "begin" else None
+                begun = [n for w, n in seen if w == "begin"]
+                in_flight = begun[-1] if begun[-1] not in done else None
                 with CheckpointManager(root, save_interval=1, chkpt_on_preemption=False) as mgr:
                     assert mgr.all_steps() == [7]
                     v = _big_version(mgr)  # every byte checked against the manifest
@@ -298,48 +342,11 @@ def test_sigkill_during_overwrites_leaves_one_complete_version(
         finally:
             zygote.communicate(timeout=60)  # EOF on stdin ends the zygote
     assert len(outcomes) == kills
+    assert "old" in outcomes  # a kill before the new manifest lands keeps the old version
     # A clean overwrite after all those kills works and leaves only its own files behind.
     for root in roots:
         with CheckpointManager(root, save_interval=1, overwrite=True) as mgr:
             assert _big_version(mgr) == last[root]
-            mgr.save(7, {"w": torch.full((1024, 1024), 5.0), "ramp": torch.arange(100_000) + 5,
+            mgr.save(7, {"w": torch.full((256, 256), 5.0), "ramp": torch.arange(25_000) + 5,
                          "v": 5, "tag": "version-5"}, metrics={"v": 5.0})
             assert _big_version(mgr) == 5
-            info = mgr.step_info(7)
-        assert sorted(os.listdir(root)) == ["7"]
-        # (a crash while the manifest was being replaced also leaves a commit.json.tmp-* file:
-        # test_crashed_overwrite_leftovers_are_removed_by_the_next_overwrite covers it)
-        left = [n for n in os.listdir(os.path.join(root, "7")) if not n.startswith("commit.json.")]
-        assert sorted(left) == sorted(["commit.json", *(f.path for f in info.files)])
-    print("outcomes:", outcomes)
-
-
-def _plant_crash_leftovers(root: str, step: int, *, manifest_tmp: bool) -> list[str]:
-    """The files a writer SIGKILLed during an overwrite leaves in the step directory (as the test
-    above observes): its attempt's data and metadata files, and its half-replaced manifest."""
-    names = ["data-0123456789ab-r00000-000.bin", "metadata-0123456789ab.json"]
-    if manifest_tmp:
-        names.append("commit.json.tmp-4242-7f00deadbeef")
-    fs, path = fsspec.core.url_to_fs(root)
-    for name in names:
-        fs.pipe_file(f"{path.rstrip('/')}/{step}/{name}", b"partial")
-    return names
-
-
-def test_crashed_overwrite_data_files_are_removed_by_the_next_overwrite(root: str) -> None:
-    with CheckpointManager(root, save_interval=1, overwrite=True) as mgr:
-        mgr.save(7, _state(1))
-        _plant_crash_leftovers(root, 7, manifest_tmp=False)
-        assert _restored_version(mgr, 7) == 1  # the leftovers do not disturb the committed one
-        mgr.save(7, _state(2))
-        info = mgr.step_info(7)
-    assert set(_listing(root)) == {"7/commit.json", *(f"7/{f.path}" for f in info.files)}
-
-
-def test_crashed_overwrite_leftovers_are_removed_by_the_next_overwrite(local_root: str) -> None:
-    with CheckpointManager(local_root, save_interval=1, overwrite=True) as mgr:
-        mgr.save(7, _state(1))
-        _plant_crash_leftovers(local_root, 7, manifest_tmp=True)
-        mgr.save(7, _state(2))
-        info = mgr.step_info(7)
-    assert set(_listing(local_root)) == {"7/commit.json", *(f"7/{f.path}" for f in info.files)}
