@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -39,6 +40,7 @@ from ckptmgr.errors import (
     CkptmgrError,
     ConfigError,
     CorruptCheckpointError,
+    RestoreError,
     SaveError,
     StorageError,
     UnsafeCheckpointError,
@@ -57,6 +59,13 @@ __all__ = ["CheckpointManager"]
 log = logging.getLogger("ckptmgr")
 
 _RESTORE_TRIES = 3  # a step overwritten while it is read is read again (old or new, never mixed)
+_ATTEMPT_IN_NAME = re.compile(r"-([0-9a-f]{12})[-.]")
+
+
+def _attempt_in(name: str | None) -> str | None:
+    """The attempt id in one of our file names (``metadata-<id>.json``, ``data-<id>-...``)."""
+    m = _ATTEMPT_IN_NAME.search(name or "")
+    return m.group(1) if m else None
 
 
 @dataclass(frozen=True)
@@ -379,18 +388,32 @@ class CheckpointManager:
                 step=step)
         comm, cfg = self._caller, self.config
         for tries_left in reversed(range(_RESTORE_TRIES)):
-            prepared = comm.agree(lambda: prepare_restore(
-                self._store, step, state_dict, planner=cfg.planner, allow_partial=allow_partial,
-                trusted=trusted, verify=cfg.verify, world_size=comm.world_size), token=step)
+            # The attempt whose files this try reads; None until its manifest was read.
+            attempt: str | None = None
             try:
+                prepared = comm.agree(lambda: prepare_restore(
+                    self._store, step, state_dict, planner=cfg.planner,
+                    allow_partial=allow_partial, trusted=trusted, verify=cfg.verify,
+                    world_size=comm.world_size), token=step)
+                attempt = prepared.manifest.attempt
                 nbytes = load_step(prepared, self._store, step, rank=comm.rank,
                                    world_size=comm.world_size, group=comm.group,
                                    verify=cfg.verify, trusted=trusted)
                 break
-            except CorruptCheckpointError:
-                if not tries_left or not comm.on_coordinator(
-                        partial(self._overwritten, step, prepared.manifest.attempt)):
+            except (CorruptCheckpointError, StorageError) as e:
+                # An overwrite by the writing job removes the replaced attempt's files (the
+                # metadata or a data file, even while it is listed): the step is not damaged,
+                # it is newer. Read it again; only a step that stayed the same is damaged.
+                if attempt is None:  # failed before the manifest was agreed: the file names it
+                    attempt = _attempt_in(getattr(e, "path", None))
+                if attempt is None or not comm.on_coordinator(
+                        partial(self._overwritten, step, attempt)):
                     raise
+                if not tries_left:
+                    raise RestoreError(
+                        f"step {step} in {self.path} was overwritten by the job writing this "
+                        f"root each of the {_RESTORE_TRIES} times it was read; it is not "
+                        "damaged: restore it again, or restore another step", step=step) from e
                 log.warning("step %d was overwritten while it was read; reading it again", step)
         log.info("restored step %d from %s (%d bytes read on this rank)", step, self.path,
                  nbytes)

@@ -422,8 +422,11 @@ class LocalStorage:
             out = {}
             with os.scandir(d) as it:
                 for e in it:
-                    if e.is_file(follow_symlinks=False):
-                        out[e.name] = e.stat(follow_symlinks=False).st_size
+                    try:
+                        if e.is_file(follow_symlinks=False):
+                            out[e.name] = e.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        continue  # removed while listed (an overwrite dropping the old attempt)
             return out
 
         return self._call("list", path, _ls)
