@@ -10,6 +10,7 @@ import pytest
 
 # Importing _servers sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before anything imports gcsfs.
 from _servers import FakeGcs, MotoS3, SeaweedS3, ServerUnavailable
+from _zygote import Zygote
 
 BUCKET = "ckpt-tests"
 
@@ -50,6 +51,15 @@ def seaweed_s3(request: pytest.FixtureRequest) -> SeaweedS3:
 def fake_gcs(request: pytest.FixtureRequest) -> FakeGcs:
     """fake-gcs-server (in-memory backend, HTTP on 127.0.0.1), with bucket ``ckpt-tests``."""
     return _start(request, FakeGcs)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
+def zygote() -> Iterator[Zygote]:
+    """Forks real processes that run Python programs with torch and ckptmgr already imported
+    (tests/_zygote.py): examples, doc blocks and preemption runs skip seconds of start-up each."""
+    z = Zygote()
+    yield z
+    z.close()
 
 
 def _bucket_root(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _zygote import Zygote
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -18,9 +17,10 @@ BLOCKS = [(p.name, i, m.group(1)) for p in sorted(DOCS.glob("*.md"))
 
 
 @pytest.mark.parametrize("name,index,code", BLOCKS, ids=[f"{n}#{i}" for n, i, _ in BLOCKS])
-def test_doc_block_runs(name: str, index: int, code: str, tmp_path: Path) -> None:
+def test_doc_block_runs(name: str, index: int, code: str, tmp_path: Path,
+                        zygote: Zygote) -> None:
     env = {k: v for k, v in os.environ.items() if k != "CKPTMGR_PATH"}
     code = code.replace("/tmp/", f"{tmp_path}/")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path, env=env)
+    # As `python -c code` in a fresh process (forked with torch and ckptmgr already imported).
+    out = zygote.run(code=code, timeout=120, cwd=tmp_path, env=env)
     assert out.returncode == 0, f"{name} block {index} failed:\n{out.stderr}"

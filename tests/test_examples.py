@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from _zygote import Zygote
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _run(*args: str) -> str:
+def _run(zygote: Zygote, *args: str) -> str:
+    # As `python examples/train_toy.py ...` in a fresh process (forked with torch and ckptmgr
+    # already imported).
     env = {k: v for k, v in os.environ.items() if k != "CKPTMGR_PATH"}
-    out = subprocess.run([sys.executable, str(EXAMPLES / "train_toy.py"), *args],
-                         capture_output=True, text=True, timeout=300, env=env)
+    out = zygote.run([str(EXAMPLES / "train_toy.py"), *args], timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -23,10 +24,10 @@ def _losses(text: str) -> dict[int, str]:
     return {int(m.group(1)): m.group(2) for m in re.finditer(r"step (\d+) loss (\S+)", text)}
 
 
-def test_train_toy_resume_matches_uninterrupted(tmp_path: Path) -> None:
-    full = _losses(_run("--ckpt", str(tmp_path / "full"), "--steps", "40"))
-    first = _run("--ckpt", str(tmp_path / "split"), "--steps", "25")
-    second = _run("--ckpt", str(tmp_path / "split"), "--steps", "40")
+def test_train_toy_resume_matches_uninterrupted(tmp_path: Path, zygote: Zygote) -> None:
+    full = _losses(_run(zygote, "--ckpt", str(tmp_path / "full"), "--steps", "40"))
+    first = _run(zygote, "--ckpt", str(tmp_path / "split"), "--steps", "25")
+    second = _run(zygote, "--ckpt", str(tmp_path / "split"), "--steps", "40")
     assert "resumed from step 20" in second
     resumed = {**_losses(first), **_losses(second)}
     assert sorted(full) == list(range(40))

@@ -2,150 +2,48 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import pytest
 import torch
 from _mp import open_file_gate, wait_for_file
+from _zygote import Run, Zygote
 
 import ckptmgr
 from ckptmgr import CheckpointManager, ConfigError
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "preemption.py"
 
-# Each run of the example is a real process, forked by a zygote that imported torch and ckptmgr
-# once (seconds per run saved). It gets its own stdout/stderr pipes (passed over a Unix socket), its
-# own environment and argv, then runs the example as __main__ and exits like any interpreter
-# (non-daemon threads joined, exit status from SystemExit). A gate can hold the first data file of
-# the first save of a step above ``step_over``: the child creates ``held``, then waits for
-# ``release`` (or forever, to be killed there), so "the signal arrives during that save" is a fact.
-_ZYGOTE = r"""
-import json, os, re, runpy, socket, sys, time
-import argparse, logging
-import torch, torch.distributed, torch.nn, torch.optim, ckptmgr
-import torch._dynamo  # imported lazily by the first optimizer step: once here, not per run
+# Each run of the example is a real process forked by a zygote (tests/_zygote.py: torch and ckptmgr
+# imported once). A gate can hold the first data file of the first save of a step above
+# ``step_over``: the child creates ``held``, then waits for ``release`` (or forever, to be killed
+# there), so "the signal arrives during that save" is a fact the test arranged, not a guess.
+_GATES = r"""
+import os, re, time
 from ckptmgr.storage.local import LocalStorage
 
-def install_gates(gates):
-    real = LocalStorage.open_writer
-    def open_writer(self, path, *args, **kwargs):
-        m = re.search(r"(\d+)", path.split("/")[0])
-        step = int(m.group(1)) if m else -1
-        for gate in gates:
-            if not gate.get("fired") and step > gate["step_over"]:
-                gate["fired"] = True
-                open(gate["held"], "x").close()
-                while gate.get("release") is None or not os.path.exists(gate["release"]):
-                    time.sleep(0.01)
-                break
-        return real(self, path, *args, **kwargs)
-    LocalStorage.open_writer = open_writer
+real = LocalStorage.open_writer
 
-sock = socket.socket(fileno=int(sys.argv[1]))
-while True:
-    msg, fds, _, _ = socket.recv_fds(sock, 1 << 16, 2)
-    if not msg:
-        break
-    cmd = json.loads(msg)
-    if cmd["op"] == "wait":
-        _, status = os.waitpid(cmd["pid"], 0)
-        sock.send(json.dumps(os.waitstatus_to_exitcode(status)).encode())
-        continue
-    pid = os.fork()
-    if pid == 0:  # never returns to the loop: the example's exit ends this process
-        sock.close()
-        os.dup2(fds[0], 1)
-        os.dup2(fds[1], 2)
-        for fd in fds:
-            os.close(fd)
-        os.environ.clear()
-        os.environ.update(cmd["env"])
-        sys.argv = cmd["argv"]
-        install_gates(cmd["gates"])
-        runpy.run_path(sys.argv[0], run_name="__main__")
-        sys.exit(0)
-    for fd in fds:
-        os.close(fd)
-    sock.send(str(pid).encode())
+def open_writer(self, path, *args, **kwargs):
+    m = re.search(r"(\d+)", path.split("/")[0])
+    step = int(m.group(1)) if m else -1
+    for gate in GATES:
+        if not gate.get("fired") and step > gate["step_over"]:
+            gate["fired"] = True
+            open(gate["held"], "x").close()
+            while gate.get("release") is None or not os.path.exists(gate["release"]):
+                time.sleep(0.01)
+            break
+    return real(self, path, *args, **kwargs)
+
+LocalStorage.open_writer = open_writer
 """
-
-
-class _Zygote:
-    """The parent's end of the zygote: starts example runs, waits for them."""
-
-    def __init__(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen([sys.executable, "-c", _ZYGOTE, str(theirs.fileno())],
-                                     pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
-        theirs.close()
-        self.sock = ours
-        self.lock = threading.Lock()
-
-    def _ask(self, msg: dict[str, Any], fds: list[int] | None = None) -> Any:
-        with self.lock:
-            socket.send_fds(self.sock, [json.dumps(msg).encode()], fds or [])
-            reply = self.sock.recv(1 << 16)
-        assert reply, f"the zygote died (exit {self.proc.poll()})"
-        return json.loads(reply)
-
-    def spawn(self, argv: list[str], env: dict[str, str],
-              gates: list[dict[str, Any]]) -> _Run:
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        try:
-            pid = self._ask({"op": "spawn", "argv": argv, "env": env, "gates": gates},
-                            [out_w, err_w])
-        finally:
-            os.close(out_w)
-            os.close(err_w)
-        return _Run(self, pid, open(out_r), open(err_r))
-
-    def wait(self, pid: int) -> int:
-        return int(self._ask({"op": "wait", "pid": pid}))
-
-    def close(self) -> None:
-        self.sock.close()  # EOF: the zygote's loop ends
-        self.proc.wait(timeout=60)
-
-
-class _Run:
-    """One run of the example, like a ``Popen`` with text stdout/stderr pipes."""
-
-    def __init__(self, zygote: _Zygote, pid: int, stdout: IO[str], stderr: IO[str]) -> None:
-        self.zygote = zygote
-        self.pid = pid
-        self.stdout: IO[str] | None = stdout
-        self.stderr: IO[str] | None = stderr
-        self.returncode: int | None = None
-
-    def send_signal(self, sig: int) -> None:
-        os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        os.kill(self.pid, signal.SIGKILL)
-
-    def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            self.returncode = self.zygote.wait(self.pid)
-        return self.returncode
-
-
-@pytest.fixture(scope="module")
-def zygote() -> Iterator[_Zygote]:
-    z = _Zygote()
-    yield z
-    z.close()
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -154,12 +52,13 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _start(zygote: _Zygote, root: str, *args: str, gates: list[dict[str, Any]] | None = None,
-           **env: str) -> _Run:
-    return zygote.spawn([str(EXAMPLE), "--ckpt", root, *args], _env(**env), gates or [])
+def _start(zygote: Zygote, root: str, *args: str, gates: list[dict[str, Any]] | None = None,
+           **env: str) -> Run:
+    return zygote.spawn([str(EXAMPLE), "--ckpt", root, *args], env=_env(**env),
+                        preamble=f"GATES = {gates!r}\n{_GATES}" if gates else "")
 
 
-def _read_until(proc: _Run, pattern: str, timeout: float = 120) -> list[str]:
+def _read_until(proc: Run, pattern: str, timeout: float = 120) -> list[str]:
     assert proc.stdout is not None
     lines: list[str] = []
     deadline = time.monotonic() + timeout
@@ -174,15 +73,11 @@ def _read_until(proc: _Run, pattern: str, timeout: float = 120) -> list[str]:
     raise AssertionError(f"timed out waiting for {pattern!r}")
 
 
-def _finish(proc: _Run, timeout: float = 120) -> tuple[int, list[str], str]:
-    # Read through the text wrappers: communicate() would read the raw pipes and lose whatever
-    # _read_until's readline() already buffered (e.g. the last "step" line). stderr stays small.
-    assert proc.stdout is not None and proc.stderr is not None
-    out = proc.stdout.read()
-    err = proc.stderr.read()
-    proc.wait(timeout=timeout)
-    proc.stdout.close()
-    proc.stderr.close()
+def _finish(proc: Run, timeout: float = 120) -> tuple[int, list[str], str]:
+    # Reads through the text wrappers: whatever _read_until's readline() already buffered (e.g.
+    # the last "step" line) is kept.
+    out, err = proc.communicate(timeout)
+    assert proc.returncode is not None
     return proc.returncode, [x.strip() for x in out.splitlines()], err
 
 
@@ -197,7 +92,7 @@ def _newest(root: str) -> int | None:
 
 
 @pytest.fixture(scope="module")
-def reference(zygote: _Zygote, tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
+def reference(zygote: Zygote, tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
     """Losses of an uninterrupted 120-step run."""
     root = str(tmp_path_factory.mktemp("ref") / "ckpt")
     rc, lines, err = _finish(_start(zygote, root, "--steps", "120", "--step-time", "0"))
@@ -205,7 +100,7 @@ def reference(zygote: _Zygote, tmp_path_factory: pytest.TempPathFactory) -> dict
     return _losses(lines)
 
 
-def _resume_matches(zygote: _Zygote, root: str, reference: dict[int, str], preempted: int,
+def _resume_matches(zygote: Zygote, root: str, reference: dict[int, str], preempted: int,
                     *extra: str) -> None:
     rc, lines, err = _finish(_start(zygote, root, "--steps", "120", "--step-time", "0", *extra))
     assert rc == 0, err
@@ -215,7 +110,7 @@ def _resume_matches(zygote: _Zygote, root: str, reference: dict[int, str], preem
 
 
 @pytest.mark.slow
-def test_sigterm_between_steps(zygote: _Zygote, local_root: str,
+def test_sigterm_between_steps(zygote: Zygote, local_root: str,
                                reference: dict[int, str]) -> None:
     proc = _start(zygote, local_root, "--steps", "120", "--save-interval", "1000",
                   "--step-time", "0.05")
@@ -229,7 +124,7 @@ def test_sigterm_between_steps(zygote: _Zygote, local_root: str,
 
 
 @pytest.mark.slow
-def test_sigterm_during_async_save_and_twice(zygote: _Zygote, local_root: str, tmp_path: Path,
+def test_sigterm_during_async_save_and_twice(zygote: Zygote, local_root: str, tmp_path: Path,
                                              reference: dict[int, str]) -> None:
     g = {name: str(tmp_path / name) for name in ("held20", "go20", "held", "go")}
     proc = _start(zygote, local_root, "--steps", "120", "--save-interval", "10",
@@ -255,7 +150,7 @@ def test_sigterm_during_async_save_and_twice(zygote: _Zygote, local_root: str, t
 
 
 @pytest.mark.slow
-def test_sigkill_after_grace_keeps_last_commit(zygote: _Zygote, local_root: str,
+def test_sigkill_after_grace_keeps_last_commit(zygote: Zygote, local_root: str,
                                                tmp_path: Path) -> None:
     held = str(tmp_path / "held")
     # The first save after step 15 (the preemption save) stops at its first data file, for good.
@@ -275,7 +170,7 @@ def test_sigkill_after_grace_keeps_last_commit(zygote: _Zygote, local_root: str,
 
 
 @pytest.mark.slow
-def test_exit_false_returns_and_reports(zygote: _Zygote, local_root: str) -> None:
+def test_exit_false_returns_and_reports(zygote: Zygote, local_root: str) -> None:
     proc = _start(zygote, local_root, "--steps", "1000", "--save-interval", "1000",
                   "--step-time", "0.05", "--no-exit")
     _read_until(proc, r"step 5 loss \S+")
@@ -288,7 +183,7 @@ def test_exit_false_returns_and_reports(zygote: _Zygote, local_root: str) -> Non
 
 
 @pytest.mark.slow
-def test_two_ranks_only_rank1_signalled(zygote: _Zygote, local_root: str,
+def test_two_ranks_only_rank1_signalled(zygote: Zygote, local_root: str,
                                         tmp_path: Path) -> None:
     init = f"file://{tmp_path / 'init'}"
     procs = [_start(zygote, local_root, "--steps", "1000", "--save-interval", "1000",
