@@ -162,13 +162,12 @@ class StepStore:
                 committed.append(step)
             elif entry.is_dir:
                 unmarked[step] = entry.name
-        dcp: list[int] = []
-        if unmarked:
-            for entry in self.storage.scan_root(DCP_METADATA_NAME):
-                step = parse_step_name(entry.name)
-                if step in unmarked and entry.has_marker and not entry.is_symlink:
-                    dcp.append(step)
-                    del unmarked[step]
+        # Unmarked directories are few (crashed or in-flight saves, foreign checkpoints): one
+        # existence check each, not a second listing of the whole root.
+        dcp = [s for s, name in unmarked.items()
+               if self.storage.exists(join(name, DCP_METADATA_NAME))]
+        for s in dcp:
+            del unmarked[s]
         return RootScan(sorted(committed), sorted(dcp),
                         [unmarked[s] for s in sorted(unmarked)], sorted(staging), sorted(links))
 

@@ -160,8 +160,8 @@ def test_aborted_multipart_leaves_no_object_and_no_upload(small_blocks: None, re
 def test_wrong_secret_is_refused_by_seaweedfs(request: pytest.FixtureRequest) -> None:
     server = _server(request, "seaweedfs")  # it checks signatures; moto would accept anything
     opts = server.storage_options(secret="not-the-secret-" + "x" * 20)
-    st = open_storage(_url(server), opts)
-    with pytest.raises(StorageError) as ei:
+    with pytest.raises(StorageError) as ei:  # at the bucket check, or at the first write
+        st = open_storage(_url(server), opts)
         st.write_bytes("1/f", b"x")
     assert "not-the-secret-" not in str(ei.value)
 
@@ -200,7 +200,9 @@ def test_discovering_1000_steps_costs_o1_list_requests(request: pytest.FixtureRe
                                     storage_options=server.storage_options(endpoint_url=proxy.url))
             assert len(mgr.all_steps()) == 1000 and mgr.latest_step() == 999
             mgr.close()
-        assert len(reqs) <= 6, reqs  # the root check and one listing
+        # The bucket check, the writer lease (read, create, check, release: at most 8) and one
+        # listing: nothing per step.
+        assert len(reqs) <= 16, reqs
     finally:
         proxy.stop()  # no clean-up: 1000 deletes cost seconds; the servers keep all in memory
 

@@ -73,7 +73,8 @@ def _cases(rank: int, world: int, root: str) -> dict[str, Any]:
 
         original_scan = LocalStorage.scan_root
         with _patched(LocalStorage, "scan_root", stale_scan, rank == 1):
-            mgr = managers.enter_context(ckptmgr.CheckpointManager(root, save_interval=1))
+            mgr = managers.enter_context(
+                ckptmgr.CheckpointManager(root, save_interval=1, take_over=True))
             out["steps_at_start"] = mgr.all_steps()
             mgr.save(3, _state(3))
             out["steps_after_save"] = mgr.all_steps()
@@ -97,7 +98,8 @@ def _cases(rank: int, world: int, root: str) -> dict[str, Any]:
             out["save_failure"] = _error(lambda: mgr.save(4, _state(4)))
             out["save_failure_s"] = time.perf_counter() - t
         out["steps_after_failed_save"] = mgr.all_steps()
-        out["root_after_failed_save"] = sorted(os.listdir(root))
+        out["root_after_failed_save"] = sorted(n for n in os.listdir(root)
+                                               if not n.startswith(".ckptmgr-lease"))
         mgr.save(4, _state(4))  # the manager still works
 
         # -- a read failure on rank 1 only
@@ -127,7 +129,8 @@ def _cases(rank: int, world: int, root: str) -> dict[str, Any]:
 
         # -- a rank that never joins: the others fail within the collective timeout
         os.environ["CKPTMGR_COLLECTIVE_TIMEOUT_S"] = "3"
-        short = managers.enter_context(ckptmgr.CheckpointManager(root, save_interval=1))
+        short = managers.enter_context(
+            ckptmgr.CheckpointManager(root, save_interval=1, take_over=True))
         gate = os.path.join(os.path.dirname(root), "straggler-failed")
         if rank == 0:
             t = time.perf_counter()
