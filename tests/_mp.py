@@ -1,5 +1,7 @@
 """Run a function on N real processes joined by a gloo process group (CPU).
 
+Ranks are forked from a fork server that has torch and ckptmgr imported (see ``PRELOAD``).
+
 The parent owns a ``TCPStore`` on an OS-chosen port (race-free, RECIPES.md); children connect to it,
 so no port is guessed and no init file can go stale. Every group gets a short timeout.
 """
@@ -16,9 +18,25 @@ from typing import Any
 
 import torch.distributed as dist
 
+# Ranks are forked by multiprocessing's fork server, which imports these once per test session:
+# a rank then starts in tenths of a second instead of seconds (RECIPES.md: 2-2.7 s idle each, far
+# more under load). The server starts no threads and no process group, so a fork is clean.
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint",
+           "torch.distributed.fsdp", "torch.distributed.tensor", "ckptmgr"]
+
+
+def context() -> Any:
+    """The multiprocessing context for test ranks: a fork server with torch and ckptmgr loaded."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
 
 def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple[Any, ...],
-           q: Any, timeout_s: float) -> None:
+           q: Any, timeout_s: float, env: dict[str, str]) -> None:
+    # The fork server's environment is the session's at its start; the test's is now this one.
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.setdefault("CKPTMGR_COLLECTIVE_TIMEOUT_S", str(timeout_s))
     try:
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
@@ -40,11 +58,13 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     Raises:
         AssertionError: a rank failed (with its traceback) or the run exceeded ``timeout_s``.
     """
-    ctx = mp.get_context("spawn")
+    ctx = context()
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     q = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, store.port, args, q, timeout_s / 2))
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_child,
+                         args=(fn, r, world, store.port, args, q, timeout_s / 2, env))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -35,6 +34,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _mp import context
 
 WIDTH = 64
 PHASE_TIMEOUT_S = 150.0
@@ -66,9 +66,10 @@ def _child(fn: Any, rank: int, nprocs: int, port: int, args: tuple[Any, ...], q:
 
 
 def run_phases(fn: Any, nprocs: int, *args: Any, timeout_s: float = 400.0) -> list[Any]:
-    """``fn(rank, store, *args)`` on ``nprocs`` spawned processes sharing a parent-owned TCPStore
-    (no process group: ``fn`` makes one per phase with :func:`_phase`). Results by rank."""
-    ctx = mp.get_context("spawn")
+    """``fn(rank, store, *args)`` on ``nprocs`` processes sharing a parent-owned TCPStore (no
+    process group: ``fn`` makes one per phase with :func:`_phase`). Results by rank. The processes
+    are forked from the fork server of tests/_mp.py (torch, FSDP and ckptmgr already imported)."""
+    ctx = context()
     store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, is_master=True,
                           timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     q = ctx.Queue()
