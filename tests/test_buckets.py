@@ -200,9 +200,9 @@ def test_discovering_1000_steps_costs_o1_list_requests(request: pytest.FixtureRe
                                     storage_options=server.storage_options(endpoint_url=proxy.url))
             assert len(mgr.all_steps()) == 1000 and mgr.latest_step() == 999
             mgr.close()
-        # The bucket check, the writer lease (read, create, check, release: at most 8) and one
+        # The bucket check, the writer lease (read, create, release: at most 10) and one
         # listing: nothing per step.
-        assert len(reqs) <= 16, reqs
+        assert len(reqs) <= 20, reqs
     finally:
         proxy.stop()  # no clean-up: 1000 deletes cost seconds; the servers keep all in memory
 
