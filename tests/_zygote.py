@@ -23,6 +23,34 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
+# Program source defining ``arm(kill_at)`` (prepend it to a program): from the call on, the
+# ``kill_at``-th file-system call that changes or syncs files (fsync, rename, replace, link, unlink,
+# rmdir, mkdir, makedirs, ftruncate, rmtree) prints "gate <name>" and blocks for good, so the test
+# can SIGKILL the process exactly there; ``arm`` returns a one-item list counting those calls.
+FS_GATE = r"""
+import os as _os, shutil as _shutil, threading as _threading, time as _time
+
+def arm(kill_at):
+    lock = _threading.Lock()
+    count = [0]
+    def gated(real, name):
+        def call(*args, **kwargs):
+            with lock:
+                count[0] += 1
+                hit = count[0] == kill_at
+            if hit:
+                print("gate", name, flush=True)
+                while True:
+                    _time.sleep(60)
+            return real(*args, **kwargs)
+        return call
+    names = ("fsync", "rename", "replace", "link", "unlink", "rmdir", "mkdir", "makedirs",
+             "ftruncate")
+    for mod, name in [(_os, n) for n in names] + [(_shutil, "rmtree")]:
+        setattr(mod, name, gated(getattr(mod, name), name))
+    return count
+"""
+
 PRELOAD = ("torch", "torch.nn", "torch.optim", "torch.distributed",
            "torch.distributed.checkpoint", "torch._dynamo", "ckptmgr")
 

@@ -6,10 +6,7 @@ complete version."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +17,7 @@ import torch
 from _faulty import Gate
 from _faulty import install as install_faulty
 from _faulty import reset as reset_faulty
+from _zygote import FS_GATE, Zygote
 
 from ckptmgr import (
     CheckpointExistsError,
@@ -209,35 +207,12 @@ def test_old_version_is_restorable_while_the_overwrite_is_in_flight(faulty_root:
 
 # ---------------------------------------------------------------------------- SIGKILL loop
 
-# A zygote imports torch once (seconds on a small machine), then forks one writer per kill. Each
-# writer overwrites step 7 once, then arms a gate: its ``kill_at``-th file-system call (fsync,
-# rename, link, unlink, ...) from there prints "gate ..." and blocks until the test SIGKILLs it, so
-# every call of an overwrite gets a kill, by construction rather than by timing. With kill_at=0
-# it counts the calls of one overwrite instead and exits. The zygote reaps each writer and reports
-# how it ended.
-_ZYGOTE = r"""
-import os, shutil, sys, threading, time, torch, ckptmgr
-
-WATCHED = [(os, n) for n in ("fsync", "rename", "replace", "link", "unlink", "rmdir", "mkdir",
-                             "makedirs", "ftruncate")] + [(shutil, "rmtree")]
-
-def arm(kill_at):
-    lock = threading.Lock()
-    count = [0]
-    def gated(real, name):
-        def call(*args, **kwargs):
-            with lock:
-                count[0] += 1
-                hit = count[0] == kill_at
-            if hit:
-                print("gate", name, flush=True)
-                while True:
-                    time.sleep(60)
-            return real(*args, **kwargs)
-        return call
-    for mod, name in WATCHED:
-        setattr(mod, name, gated(getattr(mod, name), name))
-    return count
+# A writer (forked from the session zygote) overwrites step 7 once, then arms a gate (FS_GATE: its
+# ``kill_at``-th file-system call from there prints "gate ..." and blocks until the test SIGKILLs
+# it), so every call of an overwrite gets a kill, by construction rather than by timing. With
+# kill_at=0 it counts the calls of one overwrite instead and exits.
+_WRITER = FS_GATE + r"""
+import sys, torch, ckptmgr
 
 def overwrite(mgr, v):
     state = {"w": torch.full((256, 256), float(v)), "ramp": torch.arange(25_000) + v,
@@ -246,32 +221,16 @@ def overwrite(mgr, v):
     mgr.save(7, state, metrics={"v": float(v)})
     print("done", v, flush=True)
 
-def writer(root, first, kill_at):
-    mgr = ckptmgr.CheckpointManager(root, save_interval=1, overwrite=True,
-                                    chkpt_on_preemption=False)
-    print("pid", os.getpid(), flush=True)
-    overwrite(mgr, first)
-    count = arm(kill_at)
-    if kill_at == 0:
-        overwrite(mgr, first + 1)
-        print("calls", count[0], 0, flush=True)
-        return
-    for v in range(first + 1, first + 1_000_000):
-        overwrite(mgr, v)
-
-for line in sys.stdin:
-    root, first, kill_at = line.split()
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 3
-        try:
-            writer(root, int(first), int(kill_at))
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    print("exit", pid, os.waitstatus_to_exitcode(status), flush=True)
+root, first, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+mgr = ckptmgr.CheckpointManager(root, save_interval=1, overwrite=True, chkpt_on_preemption=False)
+overwrite(mgr, first)
+count = arm(kill_at)
+if kill_at == 0:
+    overwrite(mgr, first + 1)
+    print("calls", count[0], flush=True)
+    sys.exit(0)
+for v in range(first + 1, first + 1_000_000):
+    overwrite(mgr, v)
 """
 
 
@@ -288,59 +247,50 @@ def _big_version(mgr: CheckpointManager) -> int:
     return v
 
 
-def _writer(zygote: subprocess.Popen[str], root: str, first: int,
-            kill_at: int) -> list[tuple[str, int]]:
-    """One writer; SIGKILLed at its gate (unless counting). Its lines, the exit report last."""
-    assert zygote.stdin is not None and zygote.stdout is not None
-    zygote.stdin.write(f"{root} {first} {kill_at}\n")
-    zygote.stdin.flush()
+def _writer(zygote: Zygote, root: str, first: int, kill_at: int) -> tuple[list[tuple[str, int]],
+                                                                           int]:
+    """One writer; SIGKILLed at its gate (unless counting). Its lines and exit status."""
+    run = zygote.spawn([root, str(first), str(kill_at)], code=_WRITER)
+    assert run.stdout is not None
     seen: list[tuple[str, int]] = []
-    pid = 0
-    while not seen or seen[-1][0] != "exit":
-        line = zygote.stdout.readline()
-        assert line, zygote.communicate()[1]
-        word, num, *rest = line.split()
+    while line := run.stdout.readline():
+        word, arg = line.split()
         if word == "gate":
-            os.kill(pid, signal.SIGKILL)
+            run.kill()
             seen.append((word, 0))
-            continue
-        if word == "pid":
-            pid = int(num)
-        seen.append((word, int(rest[0]) if word == "exit" else int(num)))
-    return seen
+            break
+        seen.append((word, int(arg)))
+    out, err = run.communicate(120)
+    seen += [(w, int(a)) for w, a in (x.split() for x in out.splitlines())]
+    assert run.returncode in (0, -signal.SIGKILL), (run.returncode, seen, err)
+    return seen, run.returncode
 
 
 @pytest.mark.slow
 def test_sigkill_during_overwrites_leaves_one_complete_version(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        tmp_path_factory: pytest.TempPathFactory, zygote: Zygote) -> None:
     roots = [str(tmp_path_factory.mktemp("ow") / "run") for _ in range(2)]
     outcomes: list[str] = []
-    last: dict[str, int] = {}
-    with subprocess.Popen([sys.executable, "-c", _ZYGOTE], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as zygote:
-        try:
-            counted = _writer(zygote, roots[1], 1, 0)
-            assert counted[-1] == ("exit", 0), counted
-            (kills,) = [n for w, n in counted if w == "calls"]
-            assert kills >= 3, counted  # data, manifest, old version's files: one call each
-            last[roots[1]] = 2
-            for kill in range(kills):
-                root = roots[kill % 2]
-                first = 1000 * (kill + 1)
-                seen = _writer(zygote, root, first, kill + 1)
-                assert [w for w, _ in seen].count("gate") == 1, seen  # killed at the gate
-                assert seen[-1] == ("exit", -signal.SIGKILL), seen
-                done = [n for w, n in seen if w == "done"]
-                begun = [n for w, n in seen if w == "begin"]
-                in_flight = begun[-1] if begun[-1] not in done else None
-                with CheckpointManager(root, save_interval=1, chkpt_on_preemption=False) as mgr:
-                    assert mgr.all_steps() == [7]
-                    v = _big_version(mgr)  # every byte checked against the manifest
-                assert v in (done[-1], in_flight), (v, done[-1], in_flight)
-                outcomes.append("new" if v == in_flight else "old")
-                last[root] = v
-        finally:
-            zygote.communicate(timeout=60)  # EOF on stdin ends the zygote
+    counted, code = _writer(zygote, roots[1], 1, 0)
+    assert code == 0, counted
+    (kills,) = [n for w, n in counted if w == "calls"]
+    assert kills >= 3, counted  # data, manifest, old version's files: one call each
+    last: dict[str, int] = {roots[1]: 2}
+    for kill in range(kills):
+        root = roots[kill % 2]
+        first = 1000 * (kill + 1)
+        seen, code = _writer(zygote, root, first, kill + 1)
+        assert [w for w, _ in seen].count("gate") == 1, seen  # killed at the gate
+        assert code == -signal.SIGKILL, seen
+        done = [n for w, n in seen if w == "done"]
+        begun = [n for w, n in seen if w == "begin"]
+        in_flight = begun[-1] if begun[-1] not in done else None
+        with CheckpointManager(root, save_interval=1, chkpt_on_preemption=False) as mgr:
+            assert mgr.all_steps() == [7]
+            v = _big_version(mgr)  # every byte checked against the manifest
+        assert v in (done[-1], in_flight), (v, done[-1], in_flight)
+        outcomes.append("new" if v == in_flight else "old")
+        last[root] = v
     assert len(outcomes) == kills
     assert "old" in outcomes  # a kill before the new manifest lands keeps the old version
     # A clean overwrite after all those kills works and leaves only its own files behind.
