@@ -41,6 +41,8 @@ from typing import Any
 os.environ["GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"] = "false"
 
 HOST = "127.0.0.1"
+# A held request the test forgot to release is let go after this long (the proxy must stop).
+HOLD_TIMEOUT_S = 120.0
 S3_KEY = "CKPTMGRTESTKEY0001"
 S3_SECRET = "ckptmgr/Test+Secret=0123456789abcdef"
 
@@ -308,7 +310,10 @@ class Fault:
 
     - ``status``: answer with it (and ``body``) instead of the server's answer;
     - ``reset``: close the connection with a TCP reset instead of answering;
-    - neither: only ``delay_s``, then forward as usual.
+    - neither: only ``hold``, then forward as usual.
+
+    ``hold``: a gate; matching requests wait until the test sets it (``arrived`` is set as each
+    one comes in), so "the client is in the middle of this request" is a fact, not a timing guess.
 
     ``forward=True`` sends the request to the server first (so it takes effect) and only then
     applies the fault: the client sees a failure for a request that actually succeeded.
@@ -320,7 +325,8 @@ class Fault:
     status: int | None = None
     reset: bool = False
     body: bytes = b""
-    delay_s: float = 0.0
+    hold: threading.Event | None = None
+    arrived: threading.Event = field(default_factory=threading.Event)
     forward: bool = False
     after: int = 0
     seen: int = 0
@@ -380,8 +386,8 @@ class FaultProxy:
                 body = self._body()
                 fault = proxy._record(self.command, self.path)
                 if fault is not None:
-                    if fault.delay_s:
-                        time.sleep(fault.delay_s)
+                    if fault.hold is not None:
+                        fault.hold.wait(HOLD_TIMEOUT_S)
                     if fault.forward and (fault.reset or fault.status is not None):
                         self._forward(body)
                     if fault.reset:
@@ -434,6 +440,7 @@ class FaultProxy:
                     if f.seen > f.after:
                         f.times -= 1
                         f.hits += 1
+                        f.arrived.set()
                         return f
             return None
 

@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from _servers import S3_ERROR_BODIES, Fault, FaultProxy, MotoS3
+from _zygote import Zygote
 
 from ckptmgr import CheckpointManager, SaveError, StorageError
 from ckptmgr.storage import _retry, open_storage
@@ -191,26 +191,27 @@ _WRITER = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_writer_killed_mid_upload_leaves_last_step_restorable(
-        moto_s3: MotoS3, s3_proxy: FaultProxy) -> None:
+        moto_s3: MotoS3, s3_proxy: FaultProxy, zygote: Zygote) -> None:
     url = _url()
-    # Part uploads of step 2 hang in the proxy: the writer is surely mid-upload when killed.
+    # Part uploads of step 2 are held in the proxy until the test lets them go: the writer is
+    # surely mid-upload when killed.
     stall = s3_proxy.add(Fault(lambda m, p: m == "PUT" and "/2/data-" in p and "partNumber" in p,
-                               times=10**6, delay_s=30.0))
-    proc = subprocess.Popen([sys.executable, "-c", _WRITER, url, s3_proxy.url, moto_s3.key,
-                             moto_s3.secret], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               times=10**6, hold=threading.Event()))
+    proc = zygote.spawn([url, s3_proxy.url, moto_s3.key, moto_s3.secret], code=_WRITER,
+                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.monotonic() + 90
-        while stall.hits == 0:
+        deadline = time.monotonic() + 90  # a guard against hanging, not a speed check
+        while not stall.arrived.wait(0.1):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the writer never started uploading step 2"
-            time.sleep(0.05)
         os.kill(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+        assert stall.hold is not None
+        stall.hold.set()
     assert "committed 1" in out and "unreachable" not in out
     stall.times = 0
     opts = moto_s3.storage_options()
