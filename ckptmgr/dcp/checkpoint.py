@@ -205,11 +205,25 @@ def _prime_unprimed_optimizers(state_dict: Mapping[str, Any], metadata: Metadata
             prime_optimizer(value)
 
 
+def _empty_containers(value: Any, prefix: str, out: list[str], depth: int = 0) -> None:
+    if not isinstance(value, Mapping) or depth > 64:
+        return
+    if not value and prefix:
+        out.append(prefix)
+    for k, v in value.items():
+        _empty_containers(v, f"{prefix}.{k}" if prefix else str(k), out, depth + 1)
+
+
 def _unfilled(state_dict: Mapping[str, Any], fs: FlatState, metadata: Metadata) -> list[str]:
-    """Checkpoint entries under a top-level key of ``state_dict`` that the target lacks."""
-    roots = tuple(f"{k}." for k in state_dict if isinstance(k, str))
+    """Checkpoint entries under a container the target holds empty (an unprimed optimizer's
+    ``state: {}``): an in-place load would leave them silently out."""
+    empty: list[str] = []
+    _empty_containers(state_dict, "", empty)
+    if not empty:
+        return []
+    prefixes = tuple(f"{p}." for p in empty)
     return sorted(k for k in metadata.state_dict_metadata
-                  if k not in fs.flat and k.startswith(roots))
+                  if k not in fs.flat and k.startswith(prefixes))
 
 
 @dataclass
@@ -249,6 +263,9 @@ def prepare_restore(store: StepStore, step: int, state_dict: Mapping[str, Any], 
     report = compatibility_report(metadata, fs.flat, manifest.world_size,
                                   world_size=world_size, saved_mesh=manifest.mesh, step=step)
     missing, keys = list(report.missing), list(report.loadable)
+    if not report.compatible(allow_partial):
+        raise StateMismatchError(report.error_message(allow_partial), step=step,
+                                 missing=missing, mismatches=list(report.mismatches))
     unfilled = [] if allow_partial else _unfilled(state_dict, fs, metadata)
     if unfilled:
         raise StateMismatchError(
@@ -258,9 +275,6 @@ def prepare_restore(store: StepStore, step: int, state_dict: Mapping[str, Any], 
             "ckptmgr.prime_optimizer(optimizer) before restore (or pass the optimizer object, "
             "which ckptmgr primes), or pass allow_partial=True to load only what the state asks "
             "for", step=step, missing=unfilled, mismatches=[])
-    if not report.compatible(allow_partial):
-        raise StateMismatchError(report.error_message(allow_partial), step=step,
-                                 missing=missing, mismatches=list(report.mismatches))
     log.info("restore plan: %s", report)
     pickled = [k for k in keys if k in pickle_keys and not trusted]
     if pickled:
