@@ -296,3 +296,35 @@ def test_retries_are_bounded_in_count_and_time(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(FileNotFoundError):
         _retry.call_with_retries(missing, what="op", policy=policy)
     assert len(calls) == 1  # permanent: no retry
+
+
+def test_a_store_gone_for_good_fails_the_whole_save_within_one_budget(
+        moto_s3: MotoS3, s3_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Many attempts allowed per call, so only the operation's shared budget can stop the loops
+    # of the upload parts that fail in parallel (before it, each part had a budget of its own).
+    policy = _retry.RetryPolicy(max_attempts=10**6, initial_backoff_s=0.02, max_backoff_s=0.05,
+                                total_timeout_s=0.6)
+    monkeypatch.setattr(_retry, "DEFAULT_POLICY", policy)
+    import s3fs
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+    url = _url()
+    opts = _s3_opts(moto_s3, s3_proxy)
+    caplog.set_level("INFO", logger="ckptmgr")
+    state = {"w": torch.arange(6 * 2**20, dtype=torch.float32)}  # 24 MiB: several parts
+    with CheckpointManager(url, save_interval=1, storage_options=opts) as mgr:
+        fault = s3_proxy.add(Fault(lambda m, p: m == "PUT" and "partNumber" in p, times=10**9,
+                                   status=500, body=S3_ERROR_BODIES[500]))
+        caplog.clear()
+        with pytest.raises(SaveError):
+            mgr.save(1, state)
+        assert fault.hits >= 2
+        waits = [float(m.group(1)) for r in caplog.records
+                 if (m := re.search(r"retrying in ([0-9.]+) s", r.getMessage()))]
+        parts = {m.group(1) for r in caplog.records
+                 if (m := re.search(r"upload part (\d+)", r.getMessage()))}
+        assert len(parts) >= 2, parts  # several calls retried ...
+        assert sum(waits) <= policy.total_timeout_s, (sum(waits), waits)  # ... on one budget
+        assert any("retry budget is spent" in r.getMessage() for r in caplog.records)
+        assert mgr.all_steps() == []

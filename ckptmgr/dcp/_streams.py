@@ -3,6 +3,7 @@ each run on its own thread, the first failure stopping the others and reaching t
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
@@ -68,8 +69,11 @@ def run_streams(work: Callable[[int, threading.Event], T], num: int, *, name: st
     if num == 1 and not always_thread:
         stream(0, False)
     else:
-        threads = [threading.Thread(target=stream, args=(i, True), name=f"{name}-{i}",
-                                    daemon=True) for i in range(num)]
+        # Each thread runs in a copy of the caller's context: the operation's retry budget
+        # (ckptmgr.storage.retry_budget) and any other context variables follow the work.
+        threads = [threading.Thread(target=contextvars.copy_context().run,
+                                    args=(stream, i, True), name=f"{name}-{i}", daemon=True)
+                   for i in range(num)]
         for t in threads:
             t.start()
         for t in threads:

@@ -47,6 +47,7 @@ from ckptmgr.errors import (
 from ckptmgr.layout import step_dir_name
 from ckptmgr.manifest import Manifest, ManifestError, UnsafePathError
 from ckptmgr.step_store import CommitPlan, StepStore
+from ckptmgr.storage import retry_budget
 
 __all__ = [
     "PLANNERS",
@@ -160,7 +161,8 @@ def write_step(flat: dict[str, Any], store: StepStore, plan: CommitPlan, *, rank
     writer = CkptStorageWriter(store.storage, plan, rank, trusted=trusted,
                                num_threads=num_threads, fence=fence)
     try:
-        dcp_save(flat, writer, planner, group)
+        with retry_budget():  # every storage call of this save shares one retry budget
+            dcp_save(flat, writer, planner, group)
     except CheckpointException as e:
         failed_rank, exc, failures = first_failure(e)
         if rank == 0:
@@ -299,7 +301,8 @@ def load_step(prepared: PreparedRestore, store: StepStore, step: int, *, rank: i
     reader = CkptStorageReader(store.storage, step_dir_name(step), prepared.manifest,
                                prepared.metadata, verify=verify, trusted=trusted)
     try:
-        dcp_load(flat, reader, planner, group)
+        with retry_budget():
+            dcp_load(flat, reader, planner, group)
     except CheckpointException as e:
         failed_rank, exc, _ = first_failure(e)
         if isinstance(exc, CkptmgrError):

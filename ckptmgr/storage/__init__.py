@@ -16,6 +16,7 @@ from typing import Any
 import fsspec
 
 from ckptmgr.errors import BackendNotInstalledError, ConfigError, StorageError
+from ckptmgr.storage._retry import retry_budget
 from ckptmgr.storage.base import (
     AtomicRename,
     RangeReader,
@@ -43,6 +44,7 @@ __all__ = [
     "is_not_found",
     "open_storage",
     "redact_url",
+    "retry_budget",
     "split_scheme",
 ]
 

@@ -7,26 +7,39 @@ page) goes through :func:`call_with_retries`: exponential backoff with jitter, b
 attempts and in total time, then the last error is re-raised for the caller to wrap in
 ``StorageError``.
 
+One operation of the caller (a save, a restore, opening a root) may run many storage calls, on
+several threads; under :func:`retry_budget` they all draw from one budget: the time spent in failed
+attempts and in backoff sleeps, summed over every call, never exceeds it. Once it is spent, the
+next transient failure is raised at once. So a store that is gone for good fails a whole save
+within the budget, not once per upload part.
+
 Only transient failures are retried: server errors (5xx), throttling (429, ``SlowDown``), request
 timeouts and broken connections. "Not found", "exists", "forbidden" and bad requests never are.
 """
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
 
 __all__ = [
     "DEFAULT_POLICY",
     "RetryPolicy",
+    "RetryBudget",
     "call_with_retries",
+    "current_budget",
     "exception_chain",
+    "in_budget",
     "is_transient",
+    "retry_budget",
     "status_and_code",
 ]
 
@@ -84,6 +97,66 @@ class RetryPolicy:
 
 
 DEFAULT_POLICY = RetryPolicy()
+
+
+class RetryBudget:
+    """Seconds of failed attempts and backoff that one operation may still spend (thread-safe)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = float(seconds)
+        self._spent = 0.0
+        self._lock = threading.Lock()
+
+    def spend(self, seconds: float) -> None:
+        with self._lock:
+            self._spent += max(0.0, seconds)
+
+    @property
+    def remaining_s(self) -> float:
+        with self._lock:
+            return self.seconds - self._spent
+
+
+_BUDGET: contextvars.ContextVar[RetryBudget | None] = contextvars.ContextVar(
+    "ckptmgr_retry_budget", default=None)
+
+
+@contextmanager
+def retry_budget(seconds: float | None = None) -> Iterator[RetryBudget]:
+    """Make every storage call in this block (and in threads started through :func:`in_budget`)
+    share one retry budget of ``seconds`` (None: :data:`DEFAULT_POLICY`'s total timeout). An
+    enclosing budget is kept: nested operations draw from the outer one."""
+    outer = _BUDGET.get()
+    if outer is not None:
+        yield outer
+        return
+    budget = RetryBudget(DEFAULT_POLICY.total_timeout_s if seconds is None else seconds)
+    token = _BUDGET.set(budget)
+    try:
+        yield budget
+    finally:
+        _BUDGET.reset(token)
+
+
+def current_budget() -> RetryBudget | None:
+    """The budget of the operation this thread works for, if any."""
+    return _BUDGET.get()
+
+
+def in_budget(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn`` bound to the caller's retry budget, to run on another thread (a pool worker)."""
+    budget = _BUDGET.get()
+    if budget is None:
+        return fn
+
+    def run(*args: object, **kwargs: object) -> T:
+        token = _BUDGET.set(budget)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _BUDGET.reset(token)
+
+    return run
 
 
 def exception_chain(err: BaseException) -> Iterator[BaseException]:
@@ -145,22 +218,32 @@ def call_with_retries(fn: Callable[[], T], *, what: str, policy: RetryPolicy | N
         transient: which failures to retry.
     """
     policy = policy or DEFAULT_POLICY
+    budget = _BUDGET.get()
     start = time.monotonic()
     delays = policy.delays()
     attempt = 1
     while True:
+        t_attempt = time.monotonic()
         try:
             return fn()
         except Exception as e:
             if not transient(e):
                 raise
+            now = time.monotonic()
+            if budget is not None:
+                budget.spend(now - t_attempt)
             delay = next(delays, None)
-            elapsed = time.monotonic() - start
-            if delay is None or elapsed + delay > policy.total_timeout_s:
-                log.warning("%s: giving up after %d attempts in %.1f s: %s", what, attempt,
-                            elapsed, type(e).__name__)
+            elapsed = now - start
+            left = budget.remaining_s if budget is not None else float("inf")
+            if delay is None or elapsed + delay > policy.total_timeout_s or delay > left:
+                why = " (the operation's retry budget is spent)" if delay is not None and (
+                    delay > left) else ""
+                log.warning("%s: giving up after %d attempts in %.1f s%s: %s", what, attempt,
+                            elapsed, why, type(e).__name__)
                 raise
             log.info("%s: attempt %d failed (%s); retrying in %.2f s", what, attempt,
                      type(e).__name__, delay)
+            if budget is not None:
+                budget.spend(delay)
             time.sleep(delay)
             attempt += 1

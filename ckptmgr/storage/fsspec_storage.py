@@ -224,7 +224,7 @@ class _S3MultipartWriter:
         self._slots.acquire()  # bounds memory: at most UPLOAD_CONCURRENCY parts in flight
         try:
             self._raise_failed()
-            fut = _io_pool().submit(self._upload_part, number, part)
+            fut = _io_pool().submit(_retry.in_budget(self._upload_part), number, part)
         except BaseException:
             self._slots.release()
             raise
@@ -321,7 +321,7 @@ class _ReadAhead:
     def _ensure(self, first: int, last: int) -> None:
         for b in range(first, min(last, self.num_blocks - 1) + 1):
             if b not in self.blocks:
-                self.blocks[b] = _io_pool().submit(self._fetch, b)
+                self.blocks[b] = _io_pool().submit(_retry.in_budget(self._fetch), b)
 
     def drop(self) -> None:
         for fut in self.blocks.values():
