@@ -25,6 +25,7 @@ __all__ = [
     "MANIFEST_NAME",
     "MAX_STEP",
     "STAGING_PREFIX",
+    "attempt_in_name",
     "check_file_name",
     "check_relpath",
     "check_step",
@@ -49,11 +50,18 @@ can be listed back from its directory name and broadcast between ranks."""
 _STEP_RE = re.compile(r"(?:0|[1-9][0-9]{0,18})")
 _ATTEMPT_RE = re.compile(r"[0-9a-f]{12}")
 _STAGING_RE = re.compile(r"\.tmp-(0|[1-9][0-9]{0,18})-([0-9a-f]{12})")
+_ATTEMPT_IN_NAME_RE = re.compile(r"-([0-9a-f]{12})[-.]")
 
 
 def new_attempt_id() -> str:
     """A fresh 12-hex-digit token naming one save attempt."""
     return secrets.token_hex(6)
+
+
+def attempt_in_name(name: str | None) -> str | None:
+    """The attempt id in one of our file names (``metadata-<id>.json``, ``data-<id>-...``)."""
+    m = _ATTEMPT_IN_NAME_RE.search(name or "")
+    return m.group(1) if m else None
 
 
 def check_step(step: Any, what: str = "step") -> int:

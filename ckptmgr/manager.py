@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -35,6 +34,7 @@ from ckptmgr.dcp.checkpoint import (
     prepare_save,
     write_step,
 )
+from ckptmgr.dcp.foreign import load_foreign, prepare_foreign_restore
 from ckptmgr.errors import (
     AsyncSaveError,
     CkptmgrError,
@@ -43,10 +43,9 @@ from ckptmgr.errors import (
     RestoreError,
     SaveError,
     StorageError,
-    UnsafeCheckpointError,
 )
 from ckptmgr.info import SaveStats, StepInfo
-from ckptmgr.layout import check_step
+from ckptmgr.layout import attempt_in_name, check_step
 from ckptmgr.lease import Lease
 from ckptmgr.manifest import Manifest, check_metadata, check_metrics
 from ckptmgr.policy import StepRecord, best_step, build_policy, steps_to_delete
@@ -59,13 +58,6 @@ __all__ = ["CheckpointManager"]
 log = logging.getLogger("ckptmgr")
 
 _RESTORE_TRIES = 3  # a step overwritten while it is read is read again (old or new, never mixed)
-_ATTEMPT_IN_NAME = re.compile(r"-([0-9a-f]{12})[-.]")
-
-
-def _attempt_in(name: str | None) -> str | None:
-    """The attempt id in one of our file names (``metadata-<id>.json``, ``data-<id>-...``)."""
-    m = _ATTEMPT_IN_NAME.search(name or "")
-    return m.group(1) if m else None
 
 
 @dataclass(frozen=True)
@@ -100,26 +92,13 @@ class _View:
 class CheckpointManager:
     """Saves and restores a training state at integer steps under one root URL.
 
-    Args (every one is documented in docs/configuration.md, with its YAML name):
-        path: root directory or URL (local, ``file://``, ``memory://``, ``gs://``, ``s3://``,
-            any fsspec URL); each step is a sub-directory named by its step number.
-        save_interval: a step is due when ``step % save_interval == 0``.
-        max_to_keep, keep_period, keep_time_interval, best_metric, best_mode, keep_best:
-            retention (None or 0 ``max_to_keep`` keeps every step).
-        max_pending_async: one save is in flight; values > 1 act as 1 (one warning).
-        num_of_threads: writer threads per rank (None: chosen by ckptmgr).
-        process_group: the training group (None: WORLD when torch.distributed is initialized).
-        chkpt_on_preemption, preemption_signals, preemption_grace_s, exit_on_preemption,
-            preemption_file, preemption_check: at the first save call after a preemption, every
-            rank saves that step, waits for the commit, then exits with 128 + signal (or
-            returns, and ``reached_preemption(step)`` is True).
-        storage_options: passed to fsspec (endpoint, credentials, ...).
-        overwrite: allow re-saving a committed step (the old one stays valid until the commit).
-        backpressure: "block" or "skip" while a save is in flight.
-        verify: check sizes and checksums on restore.
-        planner: "auto" (XLA-SPMD planners for sharded tensors, else DCP's), "dcp", "xla_spmd".
-        read_only: a reader: no writer lease; saves raise ConfigError.
-        take_over: take the writer lease even from a live holder (it can no longer commit).
+    Args: documented one by one in docs/configuration.md, with their YAML names. ``path`` is a
+    root directory or URL (local, ``file://``, ``memory://``, ``gs://``, ``s3://``, any fsspec
+    URL), a step a sub-directory named by its number; a step is due when ``step %
+    save_interval == 0``; ``max_to_keep`` None or 0 keeps every step; ``max_pending_async`` > 1
+    acts as 1 (one warning); after a preemption every rank saves that step, then exits with
+    128 + signal (``exit_on_preemption=False``: returns, ``reached_preemption(step)`` is True);
+    ``read_only``: no writer lease, saves refused; ``take_over``: take the lease from a live job.
 
     Raises:
         ConfigError: an invalid argument (names the field, value and rule), an unknown URL scheme,
@@ -241,15 +220,14 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest restorable step, or None."""
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return max(self.all_steps(), default=None)
 
     def best_step(self) -> int | None:
         """The best committed step by ``best_metric`` (None when unset or no step has it)."""
         ret = self.config.retention
-        if ret.best_metric is None:
-            return None
-        return best_step(self._sorted_records(), ret.best_metric, ret.best_mode)
+        records = self._view.records
+        return None if ret.best_metric is None else best_step(
+            [records[s] for s in sorted(records)], ret.best_metric, ret.best_mode)
 
     def reached_preemption(self, step: int) -> bool:
         """Whether a preemption was agreed, and its checkpoint taken, at ``step`` (local)."""
@@ -373,7 +351,8 @@ class CheckpointManager:
             StateMismatchError: keys missing from the checkpoint (unless ``allow_partial``), shape
                 or dtype mismatches, listed.
             CorruptCheckpointError: a size or checksum mismatch or unreadable metadata.
-            UnsafeCheckpointError: a value needs pickle and not ``trusted``, or a path escapes.
+            UnsafeCheckpointError: a value needs pickle and not ``trusted`` (a step written by
+                plain DCP always does: its .metadata is pickle), or a path escapes.
         """
         self._check_open()
         step = check_step(step)
@@ -381,12 +360,13 @@ class CheckpointManager:
         trusted = check_flag("trusted", trusted)
         self.join()
         self._require_listed(step)
-        if step in self._view.foreign:
-            raise UnsafeCheckpointError(
-                f"step {step} in {self.path} was written by plain DCP (torch_xla, torchtitan): "
-                "restore it with `ckptmgr import --trusted` first (its .metadata is pickle)",
-                step=step)
         comm, cfg = self._caller, self.config
+        if step in self._view.foreign:  # plain DCP (torch_xla, torchtitan): read by DCP's reader
+            foreign = comm.agree(lambda: prepare_foreign_restore(
+                self._store.storage, step, state_dict, planner=cfg.planner,
+                allow_partial=allow_partial, trusted=trusted), token=step)
+            return load_foreign(foreign, rank=comm.rank, world_size=comm.world_size,
+                                group=comm.group)
         for tries_left in reversed(range(_RESTORE_TRIES)):
             # The attempt whose files this try reads; None until its manifest was read.
             attempt: str | None = None
@@ -405,7 +385,7 @@ class CheckpointManager:
                 # metadata or a data file, even while it is listed): the step is not damaged,
                 # it is newer. Read it again; only a step that stayed the same is damaged.
                 if attempt is None:  # failed before the manifest was agreed: the file names it
-                    attempt = _attempt_in(getattr(e, "path", None))
+                    attempt = attempt_in_name(getattr(e, "path", None))
                 if attempt is None or not comm.on_coordinator(
                         partial(self._overwritten, step, attempt)):
                     raise
@@ -433,13 +413,10 @@ class CheckpointManager:
         read = self._needs_records or self.config.retention.best_metric is not None
         records = self._store.records(scan.committed, read_manifests=read)
         if scan.dcp_steps:
-            log.warning("%s holds %d steps written by plain DCP (%s): listed, never written or "
-                        "deleted by ckptmgr", self.path, len(scan.dcp_steps), scan.dcp_steps[-5:])
+            log.warning("%s holds %d steps written by plain DCP (%s): listed, restorable with "
+                        "trusted=True, never written or deleted by ckptmgr", self.path,
+                        len(scan.dcp_steps), scan.dcp_steps[-5:])
         return _View(records, frozenset(scan.dcp_steps))
-
-    def _sorted_records(self) -> list[StepRecord]:
-        records = self._view.records
-        return [records[s] for s in sorted(records)]
 
     def _start_save(self, step: Any, state_dict: Mapping[str, Any], force: Any, metrics: Any,
                     metadata: Any, trusted: Any, *, may_skip: bool) -> _Ready | bool:

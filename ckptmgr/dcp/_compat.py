@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlanner, SavePlanner
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-__all__ = ["dcp_load", "dcp_save", "uses_private_entry_points"]
+__all__ = ["dcp_load", "dcp_save", "fsspec_reader", "uses_private_entry_points"]
 
 _SINGLE_PROCESS_WARNING = r"torch\.distributed is (disabled, )?unavailable or uninitialized"
 
@@ -99,3 +99,15 @@ def dcp_load(flat: dict[str, Any], reader: StorageReader, planner: LoadPlanner,
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_WARNING)
         _loader.load(flat, storage_reader=reader, planner=planner, process_group=group,
                      no_dist=no_dist)
+
+
+def fsspec_reader(url: str, options: dict[str, Any]) -> StorageReader:
+    """DCP's own ``FsspecReader`` (the reader torch_xla's manager uses) for ``url``.
+
+    torch 2.9 through 2.14 keep it in the private ``_fsspec_filesystem`` module, with the
+    signature ``FsspecReader(path, **storage_options)``; imported here only, when first needed.
+    """
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    reader: StorageReader = FsspecReader(url, **options)
+    return reader
