@@ -276,7 +276,27 @@ def _cmd_prune(args: argparse.Namespace, out: _Out) -> int:
 
 
 def _cmd_export(args: argparse.Namespace, out: _Out) -> int:
-    r = tools.export_step(args.url, args.step, args.out, only=args.only, dtype=args.dtype,
+    # ``export URL STEP OUT`` or ``export URL --step N OUT`` (or ``export URL OUT``: the newest).
+    pos = list(args.where)
+    if len(pos) > (1 if args.step_opt is not None else 2):
+        args.parser.error(f"too many positional arguments: {pos}")
+    step = args.step_opt
+    if len(pos) == 2:
+        try:
+            step = _step(pos.pop(0))
+        except argparse.ArgumentTypeError as e:
+            args.parser.error(str(e))
+    if args.format == "hf":
+        h = tools.export_hf(args.url, step, pos[0], max_shard_size=args.max_shard_size,
+                            prefix=args.only, dtype=args.dtype, storage_options=args.options,
+                            progress=out.progress)
+        if out.json:
+            out.document(h.to_json())
+        else:
+            out.line(f"wrote {h.index}: step {h.step}, {h.num_tensors} tensors in "
+                     f"{len(h.shards)} shards, {_human(h.nbytes)} (hf)")
+        return EXIT_OK
+    r = tools.export_step(args.url, step, pos[0], only=args.only, dtype=args.dtype,
                           format=args.format, storage_options=args.options,
                           progress=out.progress)
     if r.skipped:
@@ -440,13 +460,19 @@ def _build_parser() -> _Parser:
                                    ".safetensors or .pt file (weights only, shards assembled), "
                                    "streaming tensor by tensor.")
     p.add_argument("url", metavar="URL")
-    p.add_argument("step", metavar="STEP", type=_step, help="a step number or 'latest'")
-    p.add_argument("out", metavar="OUT", help="output path ending in .safetensors, .pt or .pth")
-    p.add_argument("--only", metavar="PREFIX",
-                   help="only keys under this top-level prefix, named without it (e.g. model)")
+    p.add_argument("where", metavar="[STEP] OUT", nargs="+",
+                   help="a step number or 'latest' (or --step), then the output: a path ending "
+                        "in .safetensors, .pt or .pth, or a directory with --format hf")
+    p.add_argument("--step", dest="step_opt", metavar="N", type=_step,
+                   help="the step (instead of the positional STEP)")
+    p.add_argument("--only", "--prefix", metavar="PREFIX",
+                   help="only keys under this prefix, named without it (e.g. model or model.)")
     p.add_argument("--dtype", metavar="DTYPE", help="cast floating tensors: bf16, fp16, fp32")
-    p.add_argument("--format", choices=("safetensors", "pt"),
-                   help="output format (default: from OUT's suffix)")
+    p.add_argument("--format", choices=("safetensors", "pt", "hf"),
+                   help="output format (default: from OUT's suffix); hf: a directory of "
+                        "model-0000k-of-0000n.safetensors shards and their index")
+    p.add_argument("--max-shard-size", metavar="SIZE", default="5GB",
+                   help="hf: the largest shard, e.g. 5GB (default), 500MiB or bytes")
     p.set_defaults(func=_cmd_export, parser=p)
 
     p = sub.add_parser("cp", parents=common, help="copy committed steps between storages",

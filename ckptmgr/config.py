@@ -77,6 +77,7 @@ _RULES: dict[str, str] = {
     "planner": "'auto', 'dcp' or 'xla_spmd'",
     "read_only": "a bool",
     "take_over": "a bool",
+    "collective_timeout_s": "None or a finite number of seconds > 0",
     "storage": "a mapping",
     "storage.options": "None or a dict with str keys",
     "retention": "a mapping",
@@ -122,6 +123,7 @@ _FLAT: dict[str, tuple[str, ...]] = {
     "planner": ("planner",),
     "read_only": ("read_only",),
     "take_over": ("take_over",),
+    "collective_timeout_s": ("collective_timeout_s",),
 }
 _DOTTED_TO_FLAT = {".".join(where): name for name, where in _FLAT.items()}
 
@@ -332,6 +334,9 @@ class ManagerConfig(_Section):
         default=False, description="open the root as a reader: no writer lease, saves refused")
     take_over: Annotated[bool, Strict()] = Field(
         default=False, description="take the root's writer lease even from a live holder")
+    collective_timeout_s: _Seconds | None = Field(
+        default=None, description="no collective of ckptmgr waits longer; None: the "
+        "CKPTMGR_COLLECTIVE_TIMEOUT_S environment variable if set, else 600 s")
     storage: StorageConfig = Field(default_factory=StorageConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")

@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptmgr._async import SaveQueue, Stager
-from ckptmgr._dist import Comm, make_group
+from ckptmgr._dist import Comm, collective_timeout, make_group
 from ckptmgr.config import ManagerConfig, check_flag, load_config
 from ckptmgr.dcp.checkpoint import (
     PreparedSave,
@@ -32,6 +32,7 @@ from ckptmgr.dcp.checkpoint import (
     load_step,
     prepare_restore,
     prepare_save,
+    read_restore_source,
     write_step,
 )
 from ckptmgr.dcp.foreign import load_foreign, prepare_foreign_restore
@@ -134,6 +135,7 @@ class CheckpointManager:
         planner: str = "auto",
         read_only: bool = False,
         take_over: bool = False,
+        collective_timeout_s: float | None = None,
     ) -> None:
         self._closed = True  # until fully constructed, close() has nothing to release
         cfg = ManagerConfig.from_kwargs(
@@ -145,7 +147,8 @@ class CheckpointManager:
             overwrite=overwrite, backpressure=backpressure, verify=verify,
             preemption_signals=preemption_signals, preemption_grace_s=preemption_grace_s,
             exit_on_preemption=exit_on_preemption, preemption_file=preemption_file,
-            planner=planner, read_only=read_only, take_over=take_over)
+            planner=planner, read_only=read_only, take_over=take_over,
+            collective_timeout_s=collective_timeout_s)
         self.config = cfg
         self._store = StepStore(open_storage(cfg.path, cfg.storage.options,
                                              writable=not cfg.read_only))
@@ -167,12 +170,12 @@ class CheckpointManager:
         self._last_stats: SaveStats | None = None
         # Two gloo groups of our own, each used by one thread only (two threads issuing
         # collectives on one group deadlock): the caller's thread, and the background writer.
-        self._caller = Comm(None)
-        self._worker = Comm(None)
+        self._caller = self._worker = Comm(None)
         try:
-            group = make_group(process_group)
-            self._caller = Comm(group)
-            self._worker = Comm(make_group(process_group) if group is not None else None)
+            timeout = collective_timeout(cfg.collective_timeout_s)
+            group = make_group(process_group, timeout)
+            self._caller = Comm(group, timeout)
+            self._worker = Comm(group and make_group(process_group, timeout), timeout)
             self._view = self._caller.on_coordinator(self._open_root)
             self._preempt = PreemptionWatcher(
                 cfg.preemption.signals if cfg.preemption.enabled else (),
@@ -359,8 +362,9 @@ class CheckpointManager:
         allow_partial = check_flag("allow_partial", allow_partial)
         trusted = check_flag("trusted", trusted)
         self.join()
-        self._require_listed(step)
         comm, cfg = self._caller, self.config
+        comm.arrivals.begin("restore", step, "restore")
+        comm.on_coordinator(lambda: self._require_listed(step))  # the view is the same everywhere
         if step in self._view.foreign:  # plain DCP (torch_xla, torchtitan): read by DCP's reader
             foreign = comm.agree(lambda: prepare_foreign_restore(
                 self._store.storage, step, state_dict, planner=cfg.planner,
@@ -371,14 +375,16 @@ class CheckpointManager:
             # The attempt whose files this try reads; None until its manifest was read.
             attempt: str | None = None
             try:
-                prepared = comm.agree(lambda: prepare_restore(
-                    self._store, step, state_dict, planner=cfg.planner,
-                    allow_partial=allow_partial, trusted=trusted, verify=cfg.verify,
-                    world_size=comm.world_size), token=step)
-                attempt = prepared.manifest.attempt
+                source = comm.on_coordinator(  # nobody else lists or reads manifest, metadata
+                    lambda: read_restore_source(self._store, step, verify=cfg.verify))
+                attempt = source.manifest.attempt
+                prepared = comm.agree(partial(
+                    prepare_restore, source, step, state_dict, planner=cfg.planner,
+                    allow_partial=allow_partial, trusted=trusted, world_size=comm.world_size),
+                    token=step)
                 nbytes = load_step(prepared, self._store, step, rank=comm.rank,
                                    world_size=comm.world_size, group=comm.group,
-                                   verify=cfg.verify, trusted=trusted)
+                                   verify=cfg.verify, trusted=trusted, arrivals=comm.arrivals)
                 break
             except (CorruptCheckpointError, StorageError) as e:
                 # An overwrite by the writing job removes the replaced attempt's files (the
@@ -429,6 +435,7 @@ class CheckpointManager:
                               "the root without read_only to write it")
         req = _Request(check_step(step), check_flag("force", force), check_metrics(metrics),
                        check_metadata(metadata), check_flag("trusted", trusted), t_call)
+        self._caller.arrivals.begin("save", req.step, "plan")
         signum = self._agree_preemption()
         if signum:
             return self._preemption_save(req, state_dict, signum)
@@ -515,7 +522,7 @@ class CheckpointManager:
             flat, self._store, plan, rank=comm.rank, group=comm.group,
             planner=self._planners.get(ready.prepared.spmd), trusted=req.trusted,
             num_threads=self.config.async_.num_of_threads,
-            fence=self._check_lease if comm.is_coordinator else None)
+            fence=self._check_lease if comm.is_coordinator else None, arrivals=comm.arrivals)
         write_s = time.perf_counter() - t_write
         self._view = comm.on_coordinator(lambda: self._after_commit(plan, outcome.manifest))
         total = sum(comm.all_gather(outcome.bytes_written))

@@ -35,7 +35,7 @@ is in ``_common``.
 from ckptmgr.tools._common import Progress, format_bytes
 from ckptmgr.tools.copy import CopyResult, copy_steps
 from ckptmgr.tools.dcp_import import import_dcp
-from ckptmgr.tools.export import ExportResult, export_step
+from ckptmgr.tools.export import ExportResult, HfExportResult, export_hf, export_step
 from ckptmgr.tools.inspect import (
     Problem,
     StepDetails,
@@ -52,6 +52,7 @@ from ckptmgr.tools.prune import PruneResult, prune_steps
 __all__ = [
     "CopyResult",
     "ExportResult",
+    "HfExportResult",
     "Problem",
     "Progress",
     "PruneResult",
@@ -61,6 +62,7 @@ __all__ = [
     "TensorEntry",
     "ValueEntry",
     "copy_steps",
+    "export_hf",
     "export_step",
     "format_bytes",
     "import_dcp",

@@ -1,13 +1,16 @@
-"""Exporting one committed step into a single consolidated, weights-only file (safetensors or
-``torch.save``'s format), tensor by tensor."""
+"""Exporting one committed step into consolidated, weights-only files, tensor by tensor: one
+safetensors or ``torch.save`` file (:func:`export_step`), or the Hugging Face layout of sharded
+safetensors files plus their index (:func:`export_hf`)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import sys
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,7 +34,10 @@ from ckptmgr.tools._common import (
 )
 from ckptmgr.tools._formats import PtWriter, pt_data_pkl, safetensors_header
 
-__all__ = ["ExportResult", "export_step"]
+__all__ = ["HF_INDEX_NAME", "ExportResult", "HfExportResult", "export_hf", "export_step",
+           "parse_size"]
+
+HF_INDEX_NAME = "model.safetensors.index.json"  # the name transformers looks for
 
 _DTYPE_ALIASES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16",
@@ -252,16 +258,7 @@ def export_step(url: str, step: int | None, out: str | os.PathLike[str], *,
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise ConfigError(f"the output directory {parent!r} does not exist")
-    storage = open_storage(url, storage_options, writable=False)
-    step = StepStore(storage).resolve(step)
-    manifest, _ = StepStore(storage).read_manifest_bytes(step)
-    if manifest.byteorder != sys.byteorder:
-        raise ConfigError(f"step {step} was written on a {manifest.byteorder}-endian host; "
-                          f"this host is {sys.byteorder}-endian")
-    md = read_step_metadata(StepStore(storage), step, manifest)
-    planned, skipped = _select(md, only, cast)
-    source = _TensorSource(storage, step, manifest, md)
-    source.check_files((t.key, t.meta) for t in planned)
+    step, source, planned, skipped = _open_step(url, step, storage_options, only, cast)
     header = safetensors_header(planned, step) if fmt == "safetensors" else b""
     total = sum(t.out_nbytes for t in planned)
     tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}")
@@ -294,6 +291,211 @@ def export_step(url: str, step: int | None, out: str | os.PathLike[str], *,
             os.unlink(tmp)
         raise
     return ExportResult(out, fmt, step, len(planned), total, tuple(skipped))
+
+
+def _open_step(url: str, step: int | None, storage_options: Mapping[str, Any] | None,
+               only: str | None, cast: torch.dtype | None,
+               ) -> tuple[int, _TensorSource, list[_Planned], list[str]]:
+    """Resolve ``step`` under ``url``, read its metadata, select the tensors and check that
+    every file they are read from is there with its manifest size (before writing anything)."""
+    storage = open_storage(url, storage_options, writable=False)
+    store = StepStore(storage)
+    step = store.resolve(step)
+    manifest, _ = store.read_manifest_bytes(step)
+    if manifest.byteorder != sys.byteorder:
+        raise ConfigError(f"step {step} was written on a {manifest.byteorder}-endian host; "
+                          f"this host is {sys.byteorder}-endian")
+    md = read_step_metadata(store, step, manifest)
+    planned, skipped = _select(md, only, cast)
+    source = _TensorSource(storage, step, manifest, md)
+    source.check_files((t.key, t.meta) for t in planned)
+    return step, source, planned, skipped
+
+
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgt]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10,
+          "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9,
+          "t": 10**12}
+
+
+def parse_size(size: int | str, *, field: str = "max_shard_size") -> int:
+    """Bytes from an int or a string as transformers reads them (``"5GB"`` = 5 * 10**9,
+    ``"500MiB"`` = 500 * 2**20, ``"1000"`` = 1000 bytes).
+
+    Raises:
+        ConfigError: not a positive size.
+    """
+    n: float | None = None
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    elif isinstance(size, str):
+        m = _SIZE.match(size)
+        unit = m.group(2).lower() if m else None
+        if m and unit in _UNITS:
+            n = float(m.group(1)) * _UNITS[unit]
+    if n is None or int(n) < 1:
+        raise ConfigError(f"{field} must be a positive number of bytes or a size such as "
+                          f"'5GB' or '500MiB', got {size!r}")
+    return int(n)
+
+
+@dataclass(frozen=True)
+class HfExportResult:
+    """What :func:`export_hf` wrote.
+
+    Attributes:
+        out_dir: the output directory.
+        index: the index file (``model.safetensors.index.json``) in it.
+        shards: the shard files' names, in order.
+        step: the exported step.
+        num_tensors: tensors written.
+        nbytes: bytes of tensor data written (the index's ``metadata.total_size``).
+        skipped: keys left out: Python values, and keys the key map dropped.
+    """
+
+    out_dir: str
+    index: str
+    shards: tuple[str, ...]
+    step: int
+    num_tensors: int
+    nbytes: int
+    skipped: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"out_dir": self.out_dir, "index": self.index, "shards": list(self.shards),
+                "format": "hf", "step": self.step, "num_tensors": self.num_tensors,
+                "bytes": self.nbytes, "skipped": list(self.skipped)}
+
+
+def _renamed(planned: list[_Planned], key_map: Callable[[str], str | None] | None,
+             ) -> tuple[list[_Planned], list[str]]:
+    """Apply ``key_map`` to the output names; None drops a tensor."""
+    if key_map is None:
+        return planned, []
+    kept: list[_Planned] = []
+    dropped: list[str] = []
+    for t in planned:
+        name = key_map(t.name)
+        if name is None:
+            dropped.append(t.key)
+        elif not isinstance(name, str) or not name:
+            raise ConfigError(f"key_map must return a non-empty str or None, returned {name!r} "
+                              f"for {t.name!r}")
+        else:
+            kept.append(replace(t, name=name))
+    if not kept:
+        raise ConfigError("key_map dropped every tensor")
+    return kept, dropped
+
+
+def _shard(planned: list[_Planned], max_bytes: int) -> list[list[_Planned]]:
+    """Tensors in order into shards of at most ``max_bytes`` (as transformers does: a tensor
+    larger than the limit gets a shard of its own)."""
+    shards: list[list[_Planned]] = []
+    size = 0
+    for t in planned:
+        if not shards or (size + t.out_nbytes > max_bytes and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.out_nbytes
+    return shards
+
+
+def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
+              max_shard_size: int | str = "5GB", prefix: str | None = None,
+              key_map: Callable[[str], str | None] | None = None,
+              dtype: str | torch.dtype | None = None,
+              storage_options: Mapping[str, Any] | None = None,
+              progress: Progress | None = None) -> HfExportResult:
+    """Write committed ``step``'s tensors in the Hugging Face layout: sharded
+    ``model-0000k-of-0000n.safetensors`` files plus ``model.safetensors.index.json``.
+
+    The layout is the one ``transformers``' ``save_pretrained`` writes, so
+    ``from_pretrained(out_dir)`` (with a ``config.json`` you add) and
+    ``safetensors.torch.load_file`` read it; an index is written even for a single shard.
+    Streaming: tensors are read one at a time (chunks of sharded tensors assembled and
+    checksum-verified) and appended to the shard being written, which is fsynced and renamed into
+    place when full; peak memory is about the largest tensor, never the model. The index comes
+    last, so a directory with an index holds a complete export; a failed export removes the
+    files it wrote.
+
+    Args:
+        url: the root (local or any fsspec URL).
+        step: the committed step (None: the newest).
+        out_dir: a local directory (created if missing).
+        max_shard_size: the largest shard, in bytes or as ``"5GB"``/``"500MiB"`` (a tensor larger
+            than this gets a shard of its own).
+        prefix: keep only keys under this prefix and drop it (``"model."`` turns
+            ``model.layers.0.weight`` into ``layers.0.weight``).
+        key_map: called with each output name (after ``prefix``); returns the name to write, or
+            None to leave the tensor out.
+        dtype: cast floating-point tensors (``"bf16"``, ``"fp16"``, ``"fp32"`` or a torch dtype).
+        storage_options: fsspec options of the root.
+        progress: receives the bytes written.
+
+    Raises:
+        CheckpointNotFoundError: ``step`` is not committed.
+        CorruptCheckpointError: a size or checksum mismatch (the files written are removed).
+        ConfigError: a bad option, no tensor selected, two tensors mapped to one name, or a dtype
+            safetensors cannot store.
+    """
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    limit = parse_size(max_shard_size)
+    cast = _cast_dtype(dtype)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"the output {out_dir!r} is a file; export --format hf writes a "
+                          "directory")
+    step, source, planned, skipped = _open_step(url, step, storage_options, prefix, cast)
+    planned, dropped = _renamed(planned, key_map)
+    seen: dict[str, str] = {}
+    for t in planned:
+        if t.name in seen:
+            raise ConfigError(f"{seen[t.name]!r} and {t.key!r} are both written as {t.name!r}; "
+                              "change the prefix or the key map")
+        seen[t.name] = t.key
+    shards = _shard(planned, limit)
+    n = len(shards)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    headers = [safetensors_header(s, step) for s in shards]  # refuses dtypes before any write
+    total = sum(t.out_nbytes for t in planned)
+    os.makedirs(out_dir, exist_ok=True)
+    written: list[str] = []
+    tmp = ""
+    try:
+        with _phase(progress, total, "export") as p:
+            for name, header, shard in zip(names, headers, shards, strict=True):
+                tmp = os.path.join(out_dir, f".{name}.tmp-{os.getpid()}")
+                with open(tmp, "wb") as f:
+                    f.write(header)
+                    for t in shard:
+                        x = _converted(source, t)  # one tensor in memory at a time
+                        f.write(tensor_memoryview(x))
+                        del x
+                        p.advance(t.out_nbytes)
+                    f.flush()
+                    os.fsync(f.fileno())
+                final = os.path.join(out_dir, name)
+                os.replace(tmp, final)
+                written.append(final)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {t.name: name for name, shard in zip(names, shards, strict=True)
+                                for t in shard}}
+        tmp = os.path.join(out_dir, f".{HF_INDEX_NAME}.tmp-{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(out_dir, HF_INDEX_NAME))
+    except BaseException:
+        for path in [tmp, *written]:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
+    return HfExportResult(out_dir, os.path.join(out_dir, HF_INDEX_NAME), tuple(names), step,
+                          len(planned), total, tuple(skipped + dropped))
 
 
 def _converted(source: _TensorSource, t: _Planned) -> torch.Tensor:
