@@ -3,6 +3,11 @@
 Every collective here is called by every rank of the group in the same order. ``agree`` and
 ``on_coordinator`` turn a failure on any rank into the same exception on every rank, so a bad input
 on one rank never leaves the others waiting in a later collective.
+
+Bounded: the group is made with the collective timeout (:func:`collective_timeout`), which also
+bounds DCP's collectives on it; every collective here checks in first (:mod:`ckptmgr._arrivals`),
+and one that fails or times out raises the SaveError/RestoreError naming the ranks that did not
+arrive and the phase.
 """
 
 from __future__ import annotations
@@ -15,28 +20,40 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from ckptmgr._arrivals import Arrivals
 from ckptmgr.errors import CkptmgrError, ConfigError, SaveError
 
-__all__ = ["Comm", "make_group"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "Comm", "collective_timeout", "make_group"]
 
 T = TypeVar("T")
 
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+"""Sized for real jobs: one rank's share of a large save to a slow object store fits in it."""
+_ENV = "CKPTMGR_COLLECTIVE_TIMEOUT_S"
 
-def collective_timeout() -> timedelta:
-    """Timeout of ckptmgr's own groups: ``CKPTMGR_COLLECTIVE_TIMEOUT_S`` seconds (default 1800)."""
-    raw = os.environ.get("CKPTMGR_COLLECTIVE_TIMEOUT_S", "1800")
+
+def collective_timeout(configured: float | None = None) -> timedelta:
+    """Timeout of ckptmgr's own groups: ``configured`` (the manager's ``collective_timeout_s``),
+    else ``CKPTMGR_COLLECTIVE_TIMEOUT_S`` seconds when set, else 600 s."""
+    if configured is not None:
+        return timedelta(seconds=configured)
+    raw = os.environ.get(_ENV, str(DEFAULT_COLLECTIVE_TIMEOUT_S))
     try:
         seconds = float(raw)
     except ValueError:
-        raise ConfigError(f"CKPTMGR_COLLECTIVE_TIMEOUT_S must be a number, got {raw!r}") from None
+        raise ConfigError(f"{_ENV} must be a number of seconds > 0, got {raw!r}") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise ConfigError(f"{_ENV} must be a number of seconds > 0, got {raw!r}")
     return timedelta(seconds=seconds)
 
 
-def make_group(process_group: Any) -> Any:
-    """A new gloo group over the ranks of ``process_group`` (or WORLD); None without a group.
+def make_group(process_group: Any, timeout: timedelta | None = None) -> Any:
+    """A new gloo group over the ranks of ``process_group`` (or WORLD) whose collectives wait at
+    most ``timeout`` (default :func:`collective_timeout`); None without a group.
 
     Collective over the members of ``process_group``.
     """
+    timeout = timeout or collective_timeout()
     if not (dist.is_available() and dist.is_initialized()):
         if process_group is not None:
             raise ConfigError(
@@ -50,8 +67,8 @@ def make_group(process_group: Any) -> Any:
         # Every rank calls this, so use the globally counted group names: locally synchronized
         # groups are named from the number of live groups, and a manager created after another
         # was closed would reuse a name whose stale store keys make a late rank time out.
-        return dist.new_group(ranks=ranks, backend="gloo", timeout=collective_timeout())
-    return dist.new_group(ranks=ranks, backend="gloo", timeout=collective_timeout(),
+        return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout)
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=timeout,
                           use_local_synchronization=True)
 
 
@@ -65,9 +82,13 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 class Comm:
-    """Collectives over ckptmgr's own group (or none)."""
+    """Collectives over ckptmgr's own group (or none).
 
-    def __init__(self, group: Any) -> None:
+    ``arrivals`` tracks the operation and phase (the manager calls ``arrivals.begin``); a collective
+    here that fails or times out raises ``arrivals.error(...)``.
+    """
+
+    def __init__(self, group: Any, timeout: timedelta | None = None) -> None:
         self.group = group
         if group is None:
             self.rank, self.world_size = 0, 1
@@ -75,13 +96,24 @@ class Comm:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
         self.is_coordinator = self.rank == 0
+        self.arrivals = Arrivals(group, rank=self.rank, world_size=self.world_size,
+                                 timeout_s=timeout.total_seconds() if timeout is not None
+                                 else DEFAULT_COLLECTIVE_TIMEOUT_S)
+
+    def _collective(self, fn: Callable[[], T]) -> T:
+        self.arrivals.arrive()
+        try:
+            return fn()
+        except Exception as e:
+            raise self.arrivals.error(e) from e
 
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every rank."""
         if self.group is None:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        src = dist.get_global_rank(self.group, 0)
+        self._collective(lambda: dist.broadcast_object_list(box, src=src, group=self.group))
         return box[0]
 
     def all_gather(self, obj: Any) -> list[Any]:
@@ -89,13 +121,13 @@ class Comm:
         if self.group is None:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
+        self._collective(lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
 
     def barrier(self) -> None:
         """Wait for every rank."""
         if self.group is not None:
-            dist.barrier(group=self.group)
+            self._collective(lambda: dist.barrier(group=self.group))
 
     def any(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any rank."""

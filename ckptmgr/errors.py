@@ -87,13 +87,18 @@ class SaveError(CkptmgrError, RuntimeError):
     Attributes:
         step: the step that was being saved.
         failures: rank -> the exception raised on that rank (as seen by this rank).
+        phase: where a collective failed or timed out ("plan", "write", "commit"), else None.
+        missing_ranks: the ranks that did not arrive at that collective (killed, stuck).
     """
 
     def __init__(self, message: str, *, step: int | None = None,
-                 failures: Mapping[int, BaseException] | None = None) -> None:
+                 failures: Mapping[int, BaseException] | None = None,
+                 phase: str | None = None, missing_ranks: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.step = step
         self.failures: dict[int, BaseException] = dict(failures or {})
+        self.phase = phase
+        self.missing_ranks = list(missing_ranks)
 
 
 class AsyncSaveError(SaveError):
@@ -105,11 +110,16 @@ class RestoreError(CkptmgrError, RuntimeError):
 
     Attributes:
         step: the step that was being restored.
+        phase: "restore" when a collective failed or timed out, else None.
+        missing_ranks: the ranks that did not arrive at that collective (killed, stuck).
     """
 
-    def __init__(self, message: str, *, step: int | None = None) -> None:
+    def __init__(self, message: str, *, step: int | None = None, phase: str | None = None,
+                 missing_ranks: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.step = step
+        self.phase = phase
+        self.missing_ranks = list(missing_ranks)
 
 
 class StateMismatchError(RestoreError, ValueError):

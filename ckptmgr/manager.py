@@ -278,16 +278,13 @@ class CheckpointManager:
     def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False, *,
                    metrics: Mapping[str, float] | None = None,
                    metadata: Mapping[str, Any] | None = None, trusted: bool = False) -> bool:
-        """Save ``state_dict`` at ``step`` in the background if due (or ``force``).
+        """Save ``state_dict`` at ``step`` in the background if due (or ``force``); True if queued.
 
         Collective. Captures the whole state before returning: tensors are copied into reused
         host buffers, Python values are deep-copied and every Stateful's ``state_dict()`` is
         called, so later changes never reach the checkpoint. A background worker then writes,
         commits and applies retention. With a save in flight it first waits for it
         (``backpressure="block"``) or returns False (``"skip"``; forced saves never skip).
-
-        Returns:
-            True when the step was captured and queued.
 
         Raises:
             AsyncSaveError: the previous background save failed (raised once, on every rank).
@@ -313,10 +310,9 @@ class CheckpointManager:
         err = self._queue.wait()
         self._inflight_step = None
         if err is not None:
-            e = AsyncSaveError(f"the background save of step {getattr(err, 'step', None)} "
-                               f"failed: {err}", step=getattr(err, "step", None),
-                               failures=getattr(err, "failures", None) or {})
-            raise e from err
+            raise AsyncSaveError(f"the background save of step {getattr(err, 'step', None)} "
+                                 f"failed: {err}", step=getattr(err, "step", None),
+                                 failures=getattr(err, "failures", None) or {}) from err
 
     def wait_until_finished(self) -> None:
         """Alias of :meth:`join`."""
@@ -378,10 +374,9 @@ class CheckpointManager:
                 source = comm.on_coordinator(  # nobody else lists or reads manifest, metadata
                     lambda: read_restore_source(self._store, step, verify=cfg.verify))
                 attempt = source.manifest.attempt
-                prepared = comm.agree(partial(
-                    prepare_restore, source, step, state_dict, planner=cfg.planner,
-                    allow_partial=allow_partial, trusted=trusted, world_size=comm.world_size),
-                    token=step)
+                prepared = comm.agree(lambda src=source: prepare_restore(
+                    src, step, state_dict, planner=cfg.planner, allow_partial=allow_partial,
+                    trusted=trusted, world_size=comm.world_size), token=step)
                 nbytes = load_step(prepared, self._store, step, rank=comm.rank,
                                    world_size=comm.world_size, group=comm.group,
                                    verify=cfg.verify, trusted=trusted, arrivals=comm.arrivals)
@@ -401,8 +396,7 @@ class CheckpointManager:
                         f"root each of the {_RESTORE_TRIES} times it was read; it is not "
                         "damaged: restore it again, or restore another step", step=step) from e
                 log.warning("step %d was overwritten while it was read; reading it again", step)
-        log.info("restored step %d from %s (%d bytes read on this rank)", step, self.path,
-                 nbytes)
+        log.info("restored step %d from %s (%d bytes read on this rank)", step, self.path, nbytes)
 
     # ------------------------------------------------------------------------- internals
 

@@ -88,6 +88,51 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     return [results[r] for r in range(world)]
 
 
+class Ranks:
+    """``world`` rank processes started by :func:`start_ranks`, for tests that kill one of them:
+    the parent gathers the results of the others with :meth:`results` and :meth:`close` ends the
+    rest."""
+
+    def __init__(self, fn: Callable[..., Any], world: int, args: tuple[Any, ...],
+                 timeout_s: float) -> None:
+        ctx = context()
+        self.timeout_s = timeout_s
+        self.store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,
+                                   timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+        self.queue = ctx.Queue()
+        env = dict(os.environ)
+        self.procs = [ctx.Process(target=_child, args=(fn, r, world, self.store.port, args,
+                                                       self.queue, timeout_s / 2, env))
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def results(self, ranks: list[int]) -> dict[int, Any]:
+        """The results of ``ranks`` (each must finish within the timeout and succeed)."""
+        out: dict[int, Any] = {}
+        errors: list[str] = []
+        for _ in ranks:
+            rank, status, payload = self.queue.get(timeout=self.timeout_s)
+            (out.__setitem__(rank, payload) if status == "ok"
+             else errors.append(f"rank {rank}: {payload}"))
+        assert not errors, "\n".join(errors)
+        assert sorted(out) == sorted(ranks), out
+        return out
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def start_ranks(fn: Callable[..., Any], world: int, *args: Any,
+                timeout_s: float = 60.0) -> Ranks:
+    """Start ``fn(rank, world, *args)`` on ``world`` processes and return at once."""
+    return Ranks(fn, world, args, timeout_s)
+
+
 def wait_for_file(path: str, timeout_s: float = 120.0) -> None:
     """Block until ``path`` exists: a gate between processes, opened by whichever process creates
     the file once it has reached the point the others must wait for.

@@ -40,6 +40,7 @@ DEFAULTS: dict[str, Any] = {
     "preemption_signals": (signal.SIGTERM,), "preemption_grace_s": 30.0,
     "exit_on_preemption": True,
     "preemption_file": None, "planner": "auto", "read_only": False, "take_over": False,
+    "collective_timeout_s": None,
 }
 
 # Constructor argument -> YAML path, written out here independently of the module's own table.
@@ -55,6 +56,7 @@ YAML_PATH = {
     "preemption_grace_s": "preemption.grace_s",
     "exit_on_preemption": "preemption.exit_on_preemption",
     "preemption_file": "preemption.file", "read_only": "read_only", "take_over": "take_over",
+    "collective_timeout_s": "collective_timeout_s",
 }
 BASE: dict[str, Any] = {"path": "/tmp/ckpt-run", "save_interval": 10}
 
@@ -132,6 +134,7 @@ def test_round_trip_with_every_option_set() -> None:
         "verify": False, "preemption_signals": (signal.SIGUSR1, signal.SIGINT),
         "preemption_grace_s": 12.5, "exit_on_preemption": False, "preemption_file": "/tmp/p",
         "planner": "xla_spmd", "read_only": True, "take_over": True,
+        "collective_timeout_s": 42.5,
     }
     cfg = ManagerConfig.from_kwargs(**kwargs)
     assert cfg.to_kwargs() == kwargs

@@ -169,5 +169,8 @@ def test_rank_agreement_and_failures(tmp_path: Path) -> None:
     assert "[rank 1]" in r0["capture_failure"][1]
     # nothing of the failed attempt is left: no staging directory, no step 4 before the retry
     assert r0["root_after_failed_save"] == ["1", "2", "3"]
-    kind, msg, _ = r0["straggler"]
+    kind, msg, failures = r0["straggler"]
     assert r0["straggler_s"] < 30, r0["straggler"]
+    # the rank that never joined is named, with the phase it was missing from
+    assert kind == "SaveError" and "ranks [1] did not arrive" in msg and "'plan'" in msg, msg
+    assert failures == [1]

@@ -57,7 +57,7 @@ def test_error_tree() -> None:
 LAYERS = {
     "errors": 0, "_version": 0, "_redact": 0,
     "layout": 1, "manifest": 1, "policy": 1, "config": 1, "_values": 1, "info": 1,
-    "storage": 2, "step_store": 2, "lease": 2,
+    "storage": 2, "step_store": 2, "lease": 2, "_arrivals": 2,
     "dcp": 3, "optim": 3,
     "_dist": 4,
     "_async": 5, "preemption": 5,

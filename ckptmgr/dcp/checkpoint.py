@@ -3,11 +3,16 @@
 The manager hands a user's state dict here once: :func:`prepare_save` flattens it, wraps XLA
 tensors, chooses the planner, describes the mesh and refuses values that need pickle (unless
 trusted); :func:`write_step` runs DCP's save through our writer and turns DCP's failures into
-ours. :func:`prepare_restore` reads and checks the manifest and metadata, flattens the target and
-compares it with the checkpoint; :func:`load_step` runs DCP's load through our reader.
+ours. :func:`read_restore_source` reads and checks the manifest and metadata and lists the step
+once; :func:`prepare_restore` flattens the target and compares it with the checkpoint;
+:func:`load_step` runs DCP's load through our reader.
 
 Call order and ranks: ``prepare_*`` run on every rank (the caller agrees on the outcome);
-``write_step`` and ``load_step`` are collective over the group they are given.
+``read_restore_source`` on the coordinator only (the caller broadcasts its result: no other rank
+lists the step or reads its manifest or metadata); ``write_step`` and ``load_step`` are collective
+over the group they are given, check in with its :class:`~ckptmgr._arrivals.Arrivals` before
+each of DCP's collectives, and turn a collective that fails or times out into the SaveError or
+RestoreError naming the ranks that did not arrive and the phase.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ckptmgr._arrivals import Arrivals, track
 from ckptmgr._values import is_representable
 from ckptmgr.dcp._bytes import checksum
 from ckptmgr.dcp._compat import dcp_load, dcp_save
@@ -53,12 +59,14 @@ __all__ = [
     "PLANNERS",
     "PreparedRestore",
     "PreparedSave",
+    "RestoreSource",
     "SavePlanners",
     "WriteOutcome",
     "first_failure",
     "load_step",
     "prepare_restore",
     "prepare_save",
+    "read_restore_source",
     "read_step_metadata",
     "write_step",
 ]
@@ -137,7 +145,7 @@ class SavePlanners:
         if not spmd:
             return self._dcp
         if self._spmd is None:
-            self._spmd = SpmdSavePlanner()
+            self._spmd = SpmdSavePlanner(flatten_state_dict=False)
         return self._spmd
 
 
@@ -152,17 +160,28 @@ class WriteOutcome:
 def write_step(flat: dict[str, Any], store: StepStore, plan: CommitPlan, *, rank: int,
                group: Any, planner: CkptSavePlanner, trusted: bool,
                num_threads: int | None = None,
-               fence: Callable[[], None] | None = None) -> WriteOutcome:
+               fence: Callable[[], None] | None = None,
+               arrivals: Arrivals | None = None) -> WriteOutcome:
     """(collective over ``group``) Write ``flat`` as ``plan``'s attempt and commit it.
 
     On failure the coordinator discards the attempt; the error is a SaveError naming the first
-    failing rank (or the UnsafeCheckpointError / LeaseError that stopped it).
+    failing rank (or the UnsafeCheckpointError / LeaseError that stopped it), or, for a
+    collective that failed or timed out, the ranks that did not arrive (``arrivals``).
     """
-    writer = CkptStorageWriter(store.storage, plan, rank, trusted=trusted,
-                               num_threads=num_threads, fence=fence)
+    writer = CkptStorageWriter.for_attempt(store.storage, plan, rank, trusted=trusted,
+                                           num_threads=num_threads, fence=fence)
+    if arrivals is not None:
+        arrivals.begin("save", plan.step, "write")
+    # Every rank enters DCP's plan exchange after prepare_local_plan and its write exchange after
+    # write_data; the coordinator's global plan and commit (finish) run inside those exchanges.
+    track(writer, arrivals, {"prepare_local_plan": ("plan", "plan"),
+                             "prepare_global_plan": ("", None),
+                             "write_data": ("write", "commit"), "finish": ("", None)})
     try:
         with retry_budget():  # every storage call of this save shares one retry budget
             dcp_save(flat, writer, planner, group)
+        if arrivals is not None:
+            arrivals.phase = "commit"  # what follows (retention, the new view) is the commit's
     except CheckpointException as e:
         failed_rank, exc, failures = first_failure(e)
         if rank == 0:
@@ -172,6 +191,12 @@ def write_step(flat: dict[str, Any], store: StepStore, plan: CommitPlan, *, rank
         raise SaveError(f"save of step {plan.step} to {store.url} failed on rank {failed_rank}: "
                         f"{type(exc).__name__}: {exc}", step=plan.step,
                         failures=failures) from exc
+    except Exception as e:  # a collective failed (a rank died) or timed out
+        if rank == 0:
+            store.discard(plan)
+        if arrivals is None or isinstance(e, CkptmgrError):
+            raise
+        raise arrivals.error(e) from e
     finally:
         planner.release_state()  # keep the plans, not the caller's tensors
     return WriteOutcome(writer.manifest, writer.bytes_written)
@@ -228,10 +253,36 @@ def _unfilled(state_dict: Mapping[str, Any], fs: FlatState, metadata: Metadata) 
                   if k not in fs.flat and k.startswith(prefixes))
 
 
+@dataclass(frozen=True)
+class RestoreSource:
+    """What a restore reads of a step besides its data, once, on the coordinator (picklable: the
+    caller broadcasts it): the manifest, the DCP metadata, and the step directory's listing."""
+
+    manifest: Manifest
+    metadata: Metadata
+    sizes: dict[str, int]  # file name -> bytes, as listed
+
+
+def read_restore_source(store: StepStore, step: int, *, verify: bool) -> RestoreSource:
+    """(coordinator) Read and check ``step``'s manifest and metadata; list its files once.
+
+    Raises:
+        RestoreError: a checkpoint of the other byte order.
+        CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError: as
+            :meth:`StepStore.read_manifest` and :func:`read_step_metadata`.
+    """
+    manifest = store.read_manifest(step)
+    if manifest.byteorder != sys.byteorder:
+        raise RestoreError(f"step {step} was written on a {manifest.byteorder}-endian host; "
+                           f"this host is {sys.byteorder}-endian", step=step)
+    metadata = read_step_metadata(store, step, manifest, verify=verify)
+    return RestoreSource(manifest, metadata, store.storage.list_files(step_dir_name(step)))
+
+
 @dataclass
 class PreparedRestore:
     """A checked restore: the flattened target, the keys to load, the step's manifest and
-    metadata, and the comparison report."""
+    metadata, the listed file sizes, and the comparison report."""
 
     state: FlatState
     keys: list[str]
@@ -239,25 +290,24 @@ class PreparedRestore:
     metadata: Metadata
     report: CompatibilityReport
     spmd: bool
+    sizes: dict[str, int] | None = None
 
 
-def prepare_restore(store: StepStore, step: int, state_dict: Mapping[str, Any], *,
-                    planner: str, allow_partial: bool, trusted: bool, verify: bool,
-                    world_size: int) -> PreparedRestore:
-    """Read and check ``step``'s manifest and metadata and compare them with the target
-    (every rank; the caller agrees on the outcome).
+def prepare_restore(source: RestoreSource | StepStore, step: int, state_dict: Mapping[str, Any],
+                    *, planner: str, allow_partial: bool, trusted: bool, world_size: int,
+                    verify: bool = True) -> PreparedRestore:
+    """Compare ``source`` (the coordinator's :func:`read_restore_source`, broadcast) with the
+    target: this rank's own compatibility check, no I/O (every rank; the caller agrees on the
+    outcome). Given a :class:`StepStore` instead, this rank reads the source itself.
 
     Raises:
-        RestoreError: a checkpoint of the other byte order.
         StateMismatchError: missing keys (unless ``allow_partial``), shape or dtype mismatches.
         UnsafeCheckpointError: requested values stored with pickle and not ``trusted``.
-        CorruptCheckpointError: as :func:`read_step_metadata`.
+        As :func:`read_restore_source`, when given a store.
     """
-    manifest = store.read_manifest(step)
-    if manifest.byteorder != sys.byteorder:
-        raise RestoreError(f"step {step} was written on a {manifest.byteorder}-endian host; "
-                           f"this host is {sys.byteorder}-endian", step=step)
-    metadata = read_step_metadata(store, step, manifest, verify=verify)
+    if isinstance(source, StepStore):
+        source = read_restore_source(source, step, verify=verify)
+    manifest, metadata = source.manifest, source.metadata
     _prime_unprimed_optimizers(state_dict, metadata)
     fs, spmd = _flatten(state_dict, planner)
     pickle_keys = {idx.fqn for idx, loc in (metadata.storage_data or {}).items()
@@ -286,20 +336,25 @@ def prepare_restore(store: StepStore, step: int, state_dict: Mapping[str, Any], 
     if missing:
         log.warning("restore of step %d: %d keys not in the checkpoint left as they are: %s",
                     step, len(missing), missing[:10])
-    return PreparedRestore(fs, keys, manifest, metadata, report, spmd)
+    return PreparedRestore(fs, keys, manifest, metadata, report, spmd, source.sizes)
 
 
 def load_step(prepared: PreparedRestore, store: StepStore, step: int, *, rank: int,
-              world_size: int, group: Any, verify: bool, trusted: bool) -> int:
+              world_size: int, group: Any, verify: bool, trusted: bool,
+              arrivals: Arrivals | None = None) -> int:
     """(collective over ``group``) Load ``prepared``'s keys in place; the bytes read here.
 
     Raises:
-        The CkptmgrError a rank met (prefixed with its rank), or RestoreError.
+        The CkptmgrError a rank met (prefixed with its rank), or RestoreError (for a collective
+        that failed or timed out: naming the ranks that did not arrive).
     """
     flat = {k: prepared.state.flat[k] for k in prepared.keys}
-    planner = SpmdLoadPlanner() if prepared.spmd else CkptLoadPlanner()
-    reader = CkptStorageReader(store.storage, step_dir_name(step), prepared.manifest,
-                               prepared.metadata, verify=verify, trusted=trusted)
+    planner = SpmdLoadPlanner(flatten_state_dict=False) if prepared.spmd else CkptLoadPlanner()
+    reader = CkptStorageReader.for_step(store.storage, step_dir_name(step), prepared.manifest,
+                                        prepared.metadata, verify=verify, trusted=trusted)
+    reader.listed = prepared.sizes  # the coordinator's listing: no rank lists the step again
+    track(reader, arrivals, {"prepare_local_plan": ("restore", "restore"),
+                             "prepare_global_plan": ("", None), "read_data": ("restore", None)})
     try:
         with retry_budget():
             dcp_load(flat, reader, planner, group)
@@ -311,6 +366,10 @@ def load_step(prepared: PreparedRestore, store: StepStore, step: int, *, rank: i
             raise exc from None
         raise RestoreError(f"restore of step {step} failed on rank {failed_rank}: "
                            f"{type(exc).__name__}: {exc}", step=step) from exc
+    except Exception as e:  # a collective failed (a rank died) or timed out
+        if arrivals is None or isinstance(e, CkptmgrError):
+            raise
+        raise arrivals.error(e) from e
     if isinstance(planner, SpmdLoadPlanner):
         try:
             planner.write_back()

@@ -95,6 +95,10 @@ class _RangeReader:
 class CkptStorageReader(StorageReader):
     """Reads one committed step for one rank."""
 
+    listed: dict[str, int] | None = None
+    """The step directory's file sizes as the coordinator listed them for every rank (set by the
+    caller); None: this rank lists the step itself before reading."""
+
     def __init__(self, storage: Storage, step_dir: str, manifest: Manifest, metadata: Metadata,
                  *, verify: bool = True, trusted: bool = False,
                  num_threads: int | None = None) -> None:
@@ -151,7 +155,8 @@ class CkptStorageReader(StorageReader):
         return loc  # type: ignore[no-any-return]
 
     def _check_sizes(self, files: set[str]) -> None:
-        listed = self.storage.list_files(self.step_dir)
+        listed = self.listed if self.listed is not None else self.storage.list_files(
+            self.step_dir)
         for f in sorted(files):
             try:
                 entry = self.manifest.file(f)
