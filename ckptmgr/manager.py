@@ -374,9 +374,9 @@ class CheckpointManager:
                 source = comm.on_coordinator(  # nobody else lists or reads manifest, metadata
                     lambda: read_restore_source(self._store, step, verify=cfg.verify))
                 attempt = source.manifest.attempt
-                prepared = comm.agree(lambda: prepare_restore(  # noqa: B023 (called at once)
-                    source, step, state_dict, planner=cfg.planner, allow_partial=allow_partial,
-                    trusted=trusted, world_size=comm.world_size), token=step)
+                prepared = comm.agree(partial(prepare_restore, source, step, state_dict,
+                    planner=cfg.planner, allow_partial=allow_partial, trusted=trusted,
+                    world_size=comm.world_size), token=step)
                 nbytes = load_step(prepared, self._store, step, rank=comm.rank,
                                    world_size=comm.world_size, group=comm.group,
                                    verify=cfg.verify, trusted=trusted, arrivals=comm.arrivals)
