@@ -2,8 +2,9 @@
 
 Contract (DESIGN.md section 6):
 1) (caller thread) ``Stager.stage`` copies every tensor of the flat state into host buffers that are
-   reused across saves (pinned when the source is on an accelerator) and deep-copies Python
-   values, so mutating the live state afterwards never reaches the checkpoint.
+   reused across saves (pinned when the source is on a CUDA device) and deep-copies Python
+   values, so mutating the live state afterwards never reaches the checkpoint; staged values are
+   host tensors (DTensors: host copies plus their layout), so nothing allocates on a device.
 2) (caller thread) ``SaveQueue.submit`` starts one worker thread for the job and returns.
 3) (worker thread) the job writes, commits and runs retention; its result or exception is kept.
 4) (caller thread) ``SaveQueue.wait`` joins the worker and hands back the exception once.
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ckptmgr.dcp.shards import ShardedTensor, StagedShards
+from ckptmgr.dcp.shards import ShardedTensor, StagedDTensor, StagedShards
 
 __all__ = ["SaveQueue", "Stager"]
 
@@ -31,12 +32,24 @@ log = logging.getLogger("ckptmgr")
 
 
 class Stager:
-    """Host copies of a flat state dict in buffers reused while the structure is unchanged."""
+    """Host copies of a flat state dict in buffers reused while the structure is unchanged.
+
+    Nothing here allocates on an accelerator: a DTensor becomes a
+    :class:`~ckptmgr.dcp.shards.StagedDTensor` (its local shard's host copy plus the layout it came
+    from), never ``DTensor.from_local(host_copy, mesh)``, which would copy it back to the device.
+    Buffers are allocated at the first save (that save pre-warms them) and reused by later ones
+    while a key's shape and dtype stay the same. Copies from a CUDA device go into pinned buffers
+    (only where CUDA is available), non-blocking, on one side stream per device that first waits
+    for the device's current stream; :meth:`stage` returns after they have landed.
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._pinned: set[str] = set()
         # Sharded tensors: one buffer per distinct box (replicas are not copied).
         self._shard_buffers: dict[str, dict[Any, torch.Tensor]] = {}
+        self._streams: dict[int, Any] = {}  # CUDA device index -> side stream (made once)
+        self.last_staged_bytes = 0
 
     @property
     def nbytes(self) -> int:
@@ -45,54 +58,96 @@ class Stager:
                 *(b for boxes in self._shard_buffers.values() for b in boxes.values())]
         return sum(b.numel() * b.element_size() for b in bufs)
 
+    @property
+    def pinned_nbytes(self) -> int:
+        """Bytes of the staging buffers that are pinned (page-locked) host memory."""
+        return sum(_nbytes(self._buffers[k]) for k in self._pinned)
+
     def release(self) -> None:
         """Drop every buffer."""
         self._buffers.clear()
+        self._pinned.clear()
         self._shard_buffers.clear()
+        self._streams.clear()
 
     def _buffer(self, key: str, src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            pin = src.device.type != "cpu" and torch.cuda.is_available()
+            pin = src.device.type == "cuda" and torch.cuda.is_available()
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buf
+            (self._pinned.add if pin else self._pinned.discard)(key)
         return buf
+
+    def _copy(self, buf: torch.Tensor, src: torch.Tensor, used: dict[int, Any]) -> None:
+        """Copy ``src`` into host ``buf``: on a CUDA side stream (non-blocking into pinned
+        memory), else a plain copy (CPU, other devices, or CUDA tensors without a CUDA runtime,
+        as fake tensors in tests are)."""
+        if src.device.type == "cuda" and torch.cuda.is_available():
+            index = src.device.index if src.device.index is not None else 0
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]
+            if index not in used:
+                # The side stream sees every kernel queued so far that writes the state.
+                stream.wait_stream(torch.cuda.current_stream(index))
+                used[index] = stream
+            with torch.cuda.stream(stream):
+                buf.copy_(src, non_blocking=buf.is_pinned())
+        else:
+            buf.copy_(src)
+        self.last_staged_bytes += _nbytes(buf)
 
     def stage(self, flat: Mapping[str, Any]) -> dict[str, Any]:
         """Copy ``flat`` (flat key -> tensor or Python value) into staging; returns the copy.
 
-        Blocks until every device-to-host copy has landed.
+        Tensors become host tensors, DTensors :class:`StagedDTensor` values, sharded tensors
+        :class:`StagedShards`; Python values are deep-copied. Blocks until every device-to-host
+        copy has landed.
+
+        Raises:
+            ConfigError: a DTensor with a Partial placement.
         """
         out: dict[str, Any] = {}
-        accelerator = False
-        for key, value in flat.items():
-            if not isinstance(value, ShardedTensor):
-                self._shard_buffers.pop(key, None)  # the key held a sharded tensor before
-            if isinstance(value, DTensor):
-                local = value.to_local()
-                buf = self._buffer(key, local)
-                buf.copy_(local.detach(), non_blocking=local.device.type != "cpu")
-                accelerator |= local.device.type != "cpu"
-                out[key] = DTensor.from_local(buf, value.device_mesh, value.placements,
-                                              run_check=False, shape=value.shape,
-                                              stride=value.stride())
-            elif isinstance(value, ShardedTensor):
-                self._buffers.pop(key, None)
-                out[key] = StagedShards.stage(value, self._shard_buffers.setdefault(key, {}))
-            elif isinstance(value, torch.Tensor):
-                buf = self._buffer(key, value)
-                buf.copy_(value.detach(), non_blocking=value.device.type != "cpu")
-                accelerator |= value.device.type != "cpu"
-                out[key] = buf
-            else:
-                out[key] = copy.deepcopy(value)
+        used: dict[int, Any] = {}
+        self.last_staged_bytes = 0
+        try:
+            with torch.no_grad():
+                for key, value in flat.items():
+                    if not isinstance(value, ShardedTensor):
+                        self._shard_buffers.pop(key, None)  # the key held a sharded tensor
+                    if isinstance(value, DTensor):
+                        local = value.to_local()  # under no_grad: the local tensor itself
+                        buf = self._buffer(key, local)
+                        self._copy(buf, local, used)
+                        out[key] = StagedDTensor.from_dtensor(key, value, buf)
+                    elif isinstance(value, ShardedTensor):
+                        self._drop(key)
+                        staged = StagedShards.stage(value, self._shard_buffers.setdefault(key, {}))
+                        self.last_staged_bytes += sum(_nbytes(t) for t in staged.local_shards())
+                        out[key] = staged
+                    elif isinstance(value, torch.Tensor):
+                        buf = self._buffer(key, value)
+                        self._copy(buf, value, used)
+                        out[key] = buf
+                    else:
+                        out[key] = copy.deepcopy(value)
+        finally:
+            for stream in used.values():
+                stream.synchronize()  # the copies have landed (also when one failed)
         for key in set(self._buffers) - set(flat):
-            del self._buffers[key]
+            self._drop(key)
         for key in set(self._shard_buffers) - set(flat):
             del self._shard_buffers[key]
-        if accelerator and torch.cuda.is_available():
-            torch.cuda.synchronize()
         return out
+
+    def _drop(self, key: str) -> None:
+        self._buffers.pop(key, None)
+        self._pinned.discard(key)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class SaveQueue:

@@ -75,6 +75,11 @@ class SaveStats:
         bytes: bytes this rank wrote.
         total_bytes: bytes of the whole step (all ranks).
         throughput_bytes_per_s: ``total_bytes / write_s``.
+        staging_bytes: bytes this rank copied into host staging buffers for this save (0 for a
+            blocking save, which writes the live state).
+        pinned_bytes: bytes of pinned (page-locked) host memory the staging buffers hold (0
+            without CUDA); allocated at the first save and reused while the state's structure is
+            unchanged.
     """
 
     step: int
@@ -82,6 +87,8 @@ class SaveStats:
     write_s: float
     bytes: int
     total_bytes: int
+    staging_bytes: int = 0
+    pinned_bytes: int = 0
 
     @property
     def throughput_bytes_per_s(self) -> float:

@@ -523,7 +523,9 @@ class CheckpointManager:
         stats = SaveStats(
             step=plan.step,
             blocking_s=blocking_s if blocking_s is not None else time.perf_counter() - req.t_call,
-            write_s=write_s, bytes=outcome.bytes_written, total_bytes=total)
+            write_s=write_s, bytes=outcome.bytes_written, total_bytes=total,
+            staging_bytes=self._stager.last_staged_bytes if blocking_s is not None else 0,
+            pinned_bytes=self._stager.pinned_nbytes)
         self._last_stats = stats
         grace = self.config.preemption.grace_s
         took = stats.blocking_s + (write_s if blocking_s is not None else 0.0)

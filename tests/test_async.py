@@ -56,6 +56,8 @@ def test_consecutive_async_saves_and_stats(local_root: str) -> None:
         assert stats is not None and stats.step == 8
         assert stats.bytes >= 1024 and stats.total_bytes >= stats.bytes
         assert stats.blocking_s > 0 and stats.write_s > 0 and stats.throughput_bytes_per_s > 0
+        assert stats.staging_bytes == 256 * 4  # copied into staging for this save
+        assert stats.pinned_bytes == 0  # pinned only for CUDA sources where CUDA is available
         out = {"w": torch.zeros(256)}
         mgr.restore(8, out)
         assert torch.equal(out["w"], torch.full((256,), 8.0))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,11 +35,12 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from ckptmgr.dcp.shards import StagedDTensor
 from ckptmgr.errors import UnsafeCheckpointError
 
 __all__ = [
     "CkptLoadPlanner", "CkptSavePlanner", "balance_replicated", "default_structure_key",
-    "metadata_bytes_estimate",
+    "item_bytes", "metadata_bytes_estimate",
 ]
 
 # Bytes our JSON metadata spends per stored item (its storage entry with file name, position,
@@ -52,10 +54,17 @@ _VALUE_BYTES = 64
 _CACHED_PLANS = 2
 
 
-def _item_bytes(item: WriteItem) -> int:
-    if item.type == WriteItemType.BYTE_IO:
+def item_bytes(item: WriteItem) -> int:
+    """Bytes a write item stores: its chunk's (DCP's ``tensor_storage_size`` counts the whole
+    tensor, so every shard of a sharded tensor would weigh as much as all of them); a Python
+    value counts as a small constant."""
+    td = item.tensor_data
+    if item.type == WriteItemType.BYTE_IO or td is None:
         return _VALUE_BYTES
-    return item.tensor_storage_size() or 0
+    return math.prod(td.chunk.sizes) * td.properties.dtype.itemsize
+
+
+_item_bytes = item_bytes
 
 
 def metadata_bytes_estimate(plans: list[SavePlan]) -> int:
@@ -123,7 +132,9 @@ def default_structure_key(state_dict: Mapping[str, Any]) -> tuple[Any, ...] | No
     some value is of a kind whose plan this function cannot vouch for.
 
     Plain tensors: shape, dtype, layout, requires_grad, pinned, strides. DTensors: global shape,
-    mesh, placements, and the local tensor's key. Python values: only that they are values.
+    mesh, placements, and the local tensor's key. Staged DTensors (host copies): their
+    :meth:`~ckptmgr.dcp.shards.StagedDTensor.structure_key`. Python values: only that they are
+    values.
     Holds no tensor, so a cached key keeps no state alive.
     """
     parts: list[tuple[Any, ...]] = []
@@ -131,6 +142,8 @@ def default_structure_key(state_dict: Mapping[str, Any]) -> tuple[Any, ...] | No
         if isinstance(value, DTensor):
             parts.append((fqn, "dtensor", tuple(value.shape), value.device_mesh,
                           tuple(value.placements), _tensor_key(value.to_local())))
+        elif isinstance(value, StagedDTensor):
+            parts.append((fqn, "staged-dtensor", value.structure_key()))
         elif hasattr(value, "__create_write_items__"):
             return None  # another checkpointable tensor type: its items are its own business
         elif isinstance(value, torch.Tensor):
@@ -190,6 +203,13 @@ class CkptSavePlanner(DefaultSavePlanner):
         """Drop the references to the last saved state (the plans stay cached): a planner kept
         across saves must not keep the caller's tensors alive between them."""
         self.state_dict = {}
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        """(all ranks) The object a write item stands for; a staged DTensor's host shard."""
+        obj = self.state_dict.get(index.fqn)
+        if isinstance(obj, StagedDTensor):
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_object(index)
 
     def create_local_plan(self) -> SavePlan:
         """(all ranks) DCP's default local plan, or the cached one for an equal structure key."""

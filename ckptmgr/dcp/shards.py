@@ -13,7 +13,9 @@ Implementations:
   partition spec (tiled, transposed device order, partial and full replication, uneven and empty
   tiles); it is what the default test suite checks the planners against, and it can be saved and
   restored by the manager like the real thing;
-- :class:`StagedShards`, the host copy of one shard per distinct box that an async save keeps.
+- :class:`StagedShards`, the host copy of one shard per distinct box that an async save keeps;
+- :class:`StagedDTensor`, the host copy of a DTensor's local shard that an async save keeps, with
+  the layout it came from (it plans exactly as the live DTensor did, and never touches a device).
 
 Pure torch: no torch_xla, no process group.
 """
@@ -27,12 +29,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from ckptmgr.errors import ConfigError
 
 __all__ = [
     "CpuShardedTensor",
     "KnownShapeShards",
     "ShardInfo",
     "ShardedTensor",
+    "StagedDTensor",
     "StagedShards",
     "box_slices",
     "coverage_problem",
@@ -396,3 +407,113 @@ class StagedShards(KnownShapeShards):
 
     def describe(self) -> dict[str, Any] | None:
         return self._mesh
+
+
+class StagedDTensor(KnownShapeShards):
+    """A host copy of this rank's local shard of a DTensor, with the layout it came from (save
+    only).
+
+    It plans exactly as the live DTensor does: its chunk (offsets and sizes in the global tensor)
+    comes from DCP's own ``__create_chunk_list__`` of the live value and its tensor properties from
+    the live local tensor, and it implements the same checkpoint hooks DCP's default planner calls
+    on a DTensor (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``),
+    so local plans, the global plan and the metadata are those of the live state. Unlike
+    ``DTensor.from_local(host_copy, mesh, ...)`` it never moves its data to the mesh's device: the
+    mesh and placements are kept only to compare and describe the layout.
+
+    Planners treat it like a DTensor, not like an SPMD sharded tensor (:attr:`plans_itself`). A
+    rank outside the DTensor's mesh holds no chunk and plans no item, as DCP does for a DTensor.
+
+    Args:
+        data: the host copy of the local shard (shape ``sizes`` of the chunk; any device for
+            simulation stand-ins, e.g. ``meta``).
+        global_shape, dtype: of the whole tensor.
+        chunks: this rank's chunk (none outside the mesh).
+        properties: the live local tensor's ``TensorProperties``.
+        placements: the DTensor's placements (compared, never interpreted).
+        mesh: the device mesh (compared and described; None for stand-ins).
+        replica_id: this rank's index among the ranks holding the same chunk.
+    """
+
+    plans_itself = True
+
+    def __init__(self, data: torch.Tensor, *, global_shape: Sequence[int], dtype: torch.dtype,
+                 chunks: Sequence[ChunkStorageMetadata], properties: TensorProperties,
+                 placements: Sequence[Any] = (), mesh: Any = None, replica_id: int = 0) -> None:
+        super().__init__(global_shape, dtype)
+        self._data = data
+        self.chunks = tuple(chunks)
+        self.properties = properties
+        self.placements = tuple(placements)
+        self.mesh = mesh
+        self.replica_id = replica_id
+
+    @classmethod
+    def from_dtensor(cls, key: str, value: Any, data: torch.Tensor) -> StagedDTensor:
+        """The staged form of DTensor ``value`` whose local shard was copied into ``data``.
+
+        Reads only the DTensor's metadata (no op runs on its device).
+
+        Raises:
+            ConfigError: a DTensor with a ``Partial`` placement (reduce it before saving).
+        """
+        mesh, placements = value.device_mesh, tuple(value.placements)
+        if any(p.is_partial() for p in placements):
+            raise ConfigError(f"state key {key!r} is a DTensor with placements {placements}: a "
+                              "Partial placement cannot be saved; redistribute it first")
+        coord = mesh.get_coordinate()
+        with torch.no_grad():
+            local = value.to_local()  # the local tensor itself: no op without autograd
+            chunks = [] if coord is None else list(value.__create_chunk_list__())
+            props = TensorProperties.create_from_tensor(local)
+        replica = 0
+        if coord is not None:
+            for dim, p in enumerate(placements):
+                if p.is_replicate():
+                    replica = replica * mesh.shape[dim] + coord[dim]
+        return cls(data, global_shape=value.shape, dtype=value.dtype, chunks=chunks,
+                   properties=props, placements=placements, mesh=mesh, replica_id=replica)
+
+    def layout(self) -> list[ShardInfo]:
+        return [ShardInfo("host", tuple(c.offsets), tuple(c.sizes), tuple(c.sizes),
+                          self.replica_id) for c in self.chunks]
+
+    def local_shards(self) -> list[torch.Tensor]:
+        return [self._data] if self.chunks else []
+
+    def load_local_shards_(self, data: Sequence[torch.Tensor]) -> None:
+        raise TypeError("a staged DTensor is a save-time copy; restore into the live tensor")
+
+    def describe(self) -> dict[str, Any] | None:
+        m = self.mesh
+        if m is None:
+            return None
+        return {"shape": list(m.shape),
+                "dim_names": list(m.mesh_dim_names) if m.mesh_dim_names else None,
+                "device_type": m.device_type}
+
+    def structure_key(self) -> tuple[Any, ...]:
+        """Everything its write items depend on, comparable with ``==`` (holds no tensor)."""
+        return (tuple(self.global_shape), self.dtype, self.placements, self.mesh, self.chunks,
+                self.properties)
+
+    def write_items(self, fqn: str) -> list[WriteItem]:
+        """The write items DCP's default planner makes for the live DTensor under ``fqn``."""
+        size = torch.Size(self.global_shape)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(c.offsets)),
+                          type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets),
+                                                         sizes=torch.Size(c.sizes)),
+                              properties=self.properties, size=size))
+                for c in self.chunks]
+
+    # DCP's checkpoint hooks (the ones DTensor implements), called by its default planner.
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return self.write_items(fqn)
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return list(self.chunks)
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self._data

@@ -55,13 +55,18 @@ from ckptmgr.errors import SaveError, StateMismatchError
 __all__ = ["SpmdLoadPlanner", "SpmdSavePlanner", "has_sharded"]
 
 
+def _is_spmd(value: Any) -> bool:
+    # A staged DTensor is a ShardedTensor that plans itself, exactly as the live DTensor did.
+    return isinstance(value, ShardedTensor) and not getattr(value, "plans_itself", False)
+
+
 def has_sharded(flat: Mapping[str, Any]) -> bool:
-    """Whether a flat state holds any :class:`ShardedTensor`."""
-    return any(isinstance(v, ShardedTensor) for v in flat.values())
+    """Whether a flat state holds any :class:`ShardedTensor` planned by the SPMD planners."""
+    return any(_is_spmd(v) for v in flat.values())
 
 
 def _split(state_dict: dict[str, Any]) -> tuple[dict[str, ShardedTensor], dict[str, Any]]:
-    sharded = {k: v for k, v in state_dict.items() if isinstance(v, ShardedTensor)}
+    sharded = {k: v for k, v in state_dict.items() if _is_spmd(v)}
     rest = {k: v for k, v in state_dict.items() if k not in sharded}
     return sharded, rest
 

@@ -44,6 +44,7 @@ from ckptmgr._version import __version__
 from ckptmgr.dcp._bytes import Hasher, checksum, lower_thread_priority, tensor_memoryview
 from ckptmgr.dcp._metadata_json import ItemLocation, encode_metadata
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
+from ckptmgr.dcp.planner import item_bytes
 from ckptmgr.errors import ConfigError, UnsafeCheckpointError
 from ckptmgr.layout import data_file_name, join, metadata_file_name
 from ckptmgr.manifest import FileEntry, Manifest, utc_now_iso
@@ -72,7 +73,7 @@ DEFAULT_IO_NICE = 0
 def _item_size(item: WriteItem, encoded: Mapping[MetadataIndex, tuple[bytes, str]]) -> int:
     if item.type == WriteItemType.BYTE_IO:
         return len(encoded[item.index][0])
-    return item.tensor_storage_size() or 0
+    return item_bytes(item)  # the chunk's bytes, not the whole tensor's
 
 
 class CkptStorageWriter(StorageWriter):
