@@ -12,8 +12,11 @@ Quick start::
     mgr.close()
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from ckptmgr._version import __version__
-from ckptmgr.config import ManagerConfig
 from ckptmgr.errors import (
     AsyncSaveError,
     BackendNotInstalledError,
@@ -29,9 +32,39 @@ from ckptmgr.errors import (
     StorageError,
     UnsafeCheckpointError,
 )
-from ckptmgr.info import FileEntry, SaveStats, StepInfo
-from ckptmgr.manager import CheckpointManager
-from ckptmgr.optim import prime_optimizer
+
+if TYPE_CHECKING:
+    from ckptmgr.config import ManagerConfig
+    from ckptmgr.info import FileEntry, SaveStats, StepInfo
+    from ckptmgr.manager import CheckpointManager
+    from ckptmgr.optim import prime_optimizer
+
+# Imported on first use (PEP 562): ``import ckptmgr`` and the ``ckptmgr`` command line start
+# without torch, pydantic or fsspec; the first touch of one of these names imports its module.
+_LAZY = {
+    "CheckpointManager": "ckptmgr.manager",
+    "FileEntry": "ckptmgr.info",
+    "ManagerConfig": "ckptmgr.config",
+    "SaveStats": "ckptmgr.info",
+    "StepInfo": "ckptmgr.info",
+    "prime_optimizer": "ckptmgr.optim",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptmgr' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "AsyncSaveError",

@@ -38,7 +38,9 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_CORRUPT = 3
 
-_human = tools.format_bytes
+
+def _human(n: float) -> str:
+    return tools.format_bytes(n)  # from ckptmgr.tools.listing, which never imports torch
 
 
 def _duration(s: float) -> str:
@@ -58,6 +60,7 @@ class _Bar:
         self.t0 = 0.0
         self.drawn = 0.0
         self.active = False
+        self.width = 0  # columns of the bar now on screen (0: none)
 
     def start(self, total: int, label: str) -> None:
         self.total, self.done, self.label = total, 0, label
@@ -79,6 +82,18 @@ class _Bar:
             self.stream.write("\n")
             self.stream.flush()
         self.active = False
+        self.width = 0
+
+    def clear(self) -> None:
+        """Blank the bar's line (before another line is printed on the terminal)."""
+        if self.width:
+            self.stream.write("\r" + " " * self.width + "\r")
+            self.stream.flush()
+            self.width = 0
+
+    def redraw(self) -> None:
+        if self.active:
+            self._draw()
 
     def _draw(self) -> None:
         elapsed = max(time.monotonic() - self.t0, 1e-9)
@@ -96,7 +111,8 @@ class _Bar:
         bar_w = max(10, min(40, width - len(self.label) - len(tail) - 4))
         filled = int(bar_w * frac)
         line = f"{self.label} [{'#' * filled}{'.' * (bar_w - filled)}]{tail}"
-        self.stream.write("\r" + line[:max(width - 1, 20)].ljust(max(width - 1, 20)))
+        self.width = max(width - 1, 20)
+        self.stream.write("\r" + line[:self.width].ljust(self.width))
         self.stream.flush()
 
 
@@ -110,11 +126,22 @@ class _Out:
         show = args.progress if args.progress is not None else _isatty(self.stderr)
         self.progress: tools.Progress | None = _Bar(self.stderr) if show else None
 
+    def _write(self, stream: TextIO, text: str) -> None:
+        # A progress bar on the terminal is cleared first and drawn again below the line, so a
+        # line never lands on top of it.
+        bar = self.progress if isinstance(self.progress, _Bar) else None
+        if bar is not None:
+            bar.clear()
+        stream.write(text)
+        if bar is not None and bar.active:
+            stream.flush()
+            bar.redraw()
+
     def line(self, text: str = "") -> None:
-        self.stdout.write(redact(text) + "\n")
+        self._write(self.stdout, redact(text) + "\n")
 
     def note(self, text: str) -> None:
-        self.stderr.write(redact(f"ckptmgr: {text}") + "\n")
+        self._write(self.stderr, redact(f"ckptmgr: {text}") + "\n")
 
     def say(self, text: str) -> None:
         """A running account of what a command does: stdout in text mode, stderr with --json."""
@@ -169,7 +196,7 @@ def _time(iso: str | None) -> str:
 
 
 def _cmd_ls(args: argparse.Namespace, out: _Out) -> int:
-    entries = tools.list_steps(args.url, storage_options=args.options)
+    entries = tools.list_steps(args.url, storage_options=args.options, must_exist=True)
     if out.json:
         out.document([e.to_json() for e in entries])
         return EXIT_OK

@@ -13,8 +13,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import fsspec
-
 from ckptmgr.errors import BackendNotInstalledError, ConfigError, StorageError
 from ckptmgr.storage._retry import retry_budget
 from ckptmgr.storage.base import (
@@ -148,6 +146,8 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *,
         if writable:
             _check_local_writable(storage.root, shown)
         return storage
+    import fsspec  # here, not at import: local roots (and ``ckptmgr ls`` on them) skip it
+
     if scheme not in fsspec.available_protocols() and scheme not in fsspec.registry:
         raise ConfigError(
             f"unknown URL scheme {scheme!r} in {shown!r}; use a local path, file://, memory://, "

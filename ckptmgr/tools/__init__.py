@@ -32,22 +32,55 @@ One module per command family: :mod:`~ckptmgr.tools.inspect` (list, inspect, ver
 is in ``_common``.
 """
 
-from ckptmgr.tools._common import Progress, format_bytes
-from ckptmgr.tools.copy import CopyResult, copy_steps
-from ckptmgr.tools.dcp_import import import_dcp
-from ckptmgr.tools.export import ExportResult, HfExportResult, export_hf, export_step
-from ckptmgr.tools.inspect import (
-    Problem,
-    StepDetails,
-    StepListing,
-    StepVerification,
-    TensorEntry,
-    ValueEntry,
-    inspect_step,
-    list_steps,
-    verify_steps,
-)
-from ckptmgr.tools.prune import PruneResult, prune_steps
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ckptmgr.tools._common import Progress
+    from ckptmgr.tools.copy import CopyResult, copy_steps
+    from ckptmgr.tools.dcp_import import import_dcp
+    from ckptmgr.tools.export import ExportResult, HfExportResult, export_hf, export_step
+    from ckptmgr.tools.inspect import (
+        Problem,
+        StepDetails,
+        StepVerification,
+        TensorEntry,
+        ValueEntry,
+        inspect_step,
+        verify_steps,
+    )
+    from ckptmgr.tools.listing import StepListing, format_bytes, list_steps
+    from ckptmgr.tools.prune import PruneResult, prune_steps
+
+# Each name is imported from its module on first use (PEP 562): ``ckptmgr ls`` and ``--help``
+# start without torch; listing (:mod:`~ckptmgr.tools.listing`) never imports it.
+_MODULES = {
+    "listing": ("StepListing", "format_bytes", "list_steps"),
+    "_common": ("Progress",),
+    "copy": ("CopyResult", "copy_steps"),
+    "dcp_import": ("import_dcp",),
+    "export": ("ExportResult", "HfExportResult", "export_hf", "export_step"),
+    "inspect": ("Problem", "StepDetails", "StepVerification", "TensorEntry", "ValueEntry",
+                "inspect_step", "verify_steps"),
+    "prune": ("PruneResult", "prune_steps"),
+}
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptmgr.tools' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ckptmgr.tools.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "CopyResult",

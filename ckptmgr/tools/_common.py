@@ -23,6 +23,7 @@ from ckptmgr.errors import (
 )
 from ckptmgr.layout import join
 from ckptmgr.storage import Storage, is_not_found
+from ckptmgr.tools.listing import format_bytes as format_bytes  # re-exported
 
 _CHUNK = 16 * 1024 * 1024  # read buffer of verify and copy
 
@@ -96,15 +97,6 @@ def _locations(md: Metadata) -> dict[tuple[str, tuple[int, ...] | None], ItemLoc
         if isinstance(loc, ItemLocation):
             out[(idx.fqn, None if idx.offset is None else tuple(idx.offset))] = loc
     return out
-
-
-def format_bytes(n: float) -> str:
-    """``12.0 MiB``: a byte count for people (binary units, one decimal)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _natural(key: str) -> list[tuple[int, int | str]]:

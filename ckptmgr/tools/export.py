@@ -79,10 +79,12 @@ def _export_format(out: str, fmt: str | None) -> str:
         lower = out.lower()
         if lower.endswith(".safetensors"):
             return "safetensors"
-        if lower.endswith((".pt", ".pth", ".bin")):
+        if lower.endswith((".pt", ".pth")):
             return "pt"
-        raise ConfigError(f"output {out!r} must end in .safetensors, .pt or .pth, or the "
-                          "format must be given")
+        raise ConfigError(
+            f"output {out!r} has a suffix export does not know: accepted are .safetensors "
+            "(safetensors) and .pt or .pth (torch.save's format); rename the output, or give the "
+            "format explicitly (format='pt' / --format pt, e.g. for a .bin file)")
     if fmt not in ("safetensors", "pt"):
         raise ConfigError(f"format must be 'safetensors' or 'pt', got {fmt!r}")
     return fmt

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -20,8 +20,6 @@ from ckptmgr.layout import (
     MANIFEST_NAME,
     check_step,
     join,
-    parse_staging_name,
-    parse_step_name,
     step_dir_name,
 )
 from ckptmgr.step_store import StepStore
@@ -36,6 +34,7 @@ from ckptmgr.tools._common import (
     _numel,
     _phase,
 )
+from ckptmgr.tools.listing import StepListing, list_steps
 
 __all__ = [
     "Problem",
@@ -48,79 +47,6 @@ __all__ = [
     "list_steps",
     "verify_steps",
 ]
-
-
-@dataclass(frozen=True)
-class StepListing:
-    """One entry of a root: a committed step or the leftover of a save that never committed.
-
-    Attributes:
-        name: the directory (prefix) name under the root: ``"100"``, or ``".tmp-100-<attempt>"``
-            for the staging directory of a save that crashed before its rename.
-        step: the step number.
-        committed: whether ``<name>/commit.json`` exists (a step is committed exactly then).
-        status: ``"committed"``, ``"incomplete"`` (no manifest: a crashed or in-flight save) or
-            ``"unreadable"`` (a manifest that does not parse; restore would refuse it).
-        time: commit time (UTC ISO 8601), None unless the manifest was read.
-        total_bytes: bytes of the step's files (manifest's sum, else the listed files).
-        world_size: ranks that saved it, when known.
-        metrics: the metrics saved with it.
-        error: why the manifest is unreadable, else None.
-    """
-
-    name: str
-    step: int
-    committed: bool
-    status: str
-    time: str | None
-    total_bytes: int
-    world_size: int | None
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    error: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict (the ``ls --json`` object)."""
-        return {"step": self.step, "name": self.name, "committed": self.committed,
-                "status": self.status, "time": self.time, "total_bytes": self.total_bytes,
-                "world_size": self.world_size, "metrics": dict(self.metrics),
-                "error": self.error}
-
-
-def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None) -> list[StepListing]:
-    """Every committed step of the root at ``url`` and every leftover of a save that never
-    committed, ascending by step.
-
-    Reads each committed step's manifest (for time, size and metrics); lists each leftover's files.
-    A root that does not exist is empty. Symlinked entries and names ckptmgr does not write are
-    skipped.
-
-    Raises:
-        ConfigError, BackendNotInstalledError: a bad URL (see :func:`ckptmgr.storage.open_storage`).
-        StorageError: listing or reading failed.
-    """
-    storage = open_storage(url, storage_options, writable=False)
-    out: list[StepListing] = []
-    for entry in storage.scan_root(MANIFEST_NAME):
-        if entry.is_symlink or not entry.is_dir:
-            continue
-        step = parse_step_name(entry.name)
-        staged = parse_staging_name(entry.name)
-        if step is not None and entry.has_marker:
-            try:
-                m, _ = StepStore(storage).read_manifest_bytes(step)
-            except CorruptCheckpointError as e:
-                size = sum(storage.list_files(entry.name).values())
-                out.append(StepListing(entry.name, step, True, "unreadable", None, size, None,
-                                       {}, str(e)))
-                continue
-            out.append(StepListing(entry.name, step, True, "committed", m.time, m.total_bytes,
-                                   m.world_size, dict(m.metrics)))
-        elif step is not None or staged is not None:
-            s = step if step is not None else staged[0]  # type: ignore[index]
-            size = sum(storage.list_files(entry.name).values())
-            out.append(StepListing(entry.name, s, False, "incomplete", None, size, None))
-    out.sort(key=lambda s: (s.step, not s.committed, s.name))
-    return out
 
 
 @dataclass(frozen=True)
