@@ -5,11 +5,13 @@ This is the one place where the manager's arguments are validated. The construct
 :func:`load_config` with a YAML file, a mapping or a model. Both return a frozen
 :class:`ManagerConfig` with nested sections::
 
-    ManagerConfig        path, save_interval, overwrite, verify, planner
+    ManagerConfig        path, save_interval, overwrite, verify, planner, read_only, take_over,
+                         collective_timeout_s
     ├── storage          StorageConfig      fsspec options (credentials, endpoint, ...)
     ├── retention        RetentionConfig    which committed steps to keep
     ├── async            AsyncConfig        the single-in-flight save queue
-    └── preemption       PreemptionConfig   signals that trigger a last checkpoint
+    ├── preemption       PreemptionConfig   signals that trigger a last checkpoint
+    └── local            LocalTierConfig    the fast node-local tier (docs/multitier.md)
 
 Every failure is a :class:`~ckptmgr.errors.ConfigError` (the original error as ``__cause__``) whose
 message names the field, the value and the rule. Fields are named as the caller spelled them: the
@@ -50,6 +52,7 @@ from ckptmgr.errors import ConfigError
 __all__ = [
     "PATH_ENV_VAR",
     "AsyncConfig",
+    "LocalTierConfig",
     "ManagerConfig",
     "PreemptionConfig",
     "RetentionConfig",
@@ -97,6 +100,10 @@ _RULES: dict[str, str] = {
     "preemption.grace_s": "a finite number of seconds > 0",
     "preemption.exit_on_preemption": "a bool",
     "preemption.file": "a path string (a file whose appearance means preemption)",
+    "local": "a mapping",
+    "local.path": "None or a local directory path (no URL scheme but file://)",
+    "local.interval": "None or an int >= 1",
+    "local.max_to_keep": "an int >= 1",
 }
 
 # Constructor argument -> where it lives in the model (section alias, field), in constructor order.
@@ -124,6 +131,9 @@ _FLAT: dict[str, tuple[str, ...]] = {
     "read_only": ("read_only",),
     "take_over": ("take_over",),
     "collective_timeout_s": ("collective_timeout_s",),
+    "local_path": ("local", "path"),
+    "local_interval": ("local", "interval"),
+    "local_max_to_keep": ("local", "max_to_keep"),
 }
 _DOTTED_TO_FLAT = {".".join(where): name for name, where in _FLAT.items()}
 
@@ -311,7 +321,40 @@ class PreemptionConfig(_Section):
         return [s.name for s in value]
 
 
-_SECTIONS = ("storage", "retention", "async", "preemption")
+def _local_dir(value: Any) -> Any:
+    """A node-local directory: a plain path or a ``file://`` URL (made a plain path)."""
+    if not isinstance(value, str):
+        return value
+    if value.startswith("file://"):
+        value = value[len("file://"):]
+    if "://" in value or value.startswith("memory:") or not value.strip():
+        raise _Rule("{name} must be a local directory path (each rank writes its own node-local "
+                    "disk; the durable tier is path)", got=value)
+    return value
+
+
+class LocalTierConfig(_Section):
+    """The fast tier: every rank writes its own files to a node-local directory
+    (docs/multitier.md)."""
+
+    path: Annotated[str, Strict(), BeforeValidator(_local_dir)] | None = Field(
+        default=None, description="node-local directory (NVMe, /dev/shm); each rank writes "
+        "<path>/rank-<r>; None: no local tier")
+    interval: _Int1 | None = Field(
+        default=None, description="a step is due on the local tier when step % interval == 0")
+    max_to_keep: _Int1 = Field(
+        default=2, description="newest local steps kept on every rank")
+
+    @model_validator(mode="after")
+    def _path_and_interval_together(self) -> LocalTierConfig:
+        if self.interval is not None and self.path is None:
+            raise _Rule("{0} requires {1} to be set", "interval", "path", got=self.interval)
+        if self.path is not None and self.interval is None:
+            raise _Rule("{0} requires {1} to be set", "path", "interval", got=self.path)
+        return self
+
+
+_SECTIONS = ("storage", "retention", "async", "preemption", "local")
 
 
 class ManagerConfig(_Section):
@@ -341,6 +384,14 @@ class ManagerConfig(_Section):
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
+    local: LocalTierConfig = Field(default_factory=LocalTierConfig)
+
+    @model_validator(mode="after")
+    def _local_is_not_the_root(self) -> ManagerConfig:
+        if self.local.path is not None and self.local.path.rstrip("/") == self.path.rstrip("/"):
+            raise _Rule("{0} must differ from {1} (the durable tier)", "local.path", "path",
+                        got=self.local.path)
+        return self
 
     @model_validator(mode="before")
     @classmethod

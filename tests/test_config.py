@@ -41,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "exit_on_preemption": True,
     "preemption_file": None, "planner": "auto", "read_only": False, "take_over": False,
     "collective_timeout_s": None,
+    "local_path": None, "local_interval": None, "local_max_to_keep": 2,
 }
 
 # Constructor argument -> YAML path, written out here independently of the module's own table.
@@ -57,6 +58,8 @@ YAML_PATH = {
     "exit_on_preemption": "preemption.exit_on_preemption",
     "preemption_file": "preemption.file", "read_only": "read_only", "take_over": "take_over",
     "collective_timeout_s": "collective_timeout_s",
+    "local_path": "local.path", "local_interval": "local.interval",
+    "local_max_to_keep": "local.max_to_keep",
 }
 BASE: dict[str, Any] = {"path": "/tmp/ckpt-run", "save_interval": 10}
 
@@ -135,6 +138,7 @@ def test_round_trip_with_every_option_set() -> None:
         "preemption_grace_s": 12.5, "exit_on_preemption": False, "preemption_file": "/tmp/p",
         "planner": "xla_spmd", "read_only": True, "take_over": True,
         "collective_timeout_s": 42.5,
+        "local_path": "/local_nvme/run", "local_interval": 50, "local_max_to_keep": 3,
     }
     cfg = ManagerConfig.from_kwargs(**kwargs)
     assert cfg.to_kwargs() == kwargs
@@ -244,6 +248,12 @@ INVALID: list[tuple[str, Any, str]] = [
     ("exit_on_preemption", None, "{} must be a bool, got None"),
     ("planner", "xla", "{} must be 'auto', 'dcp' or 'xla_spmd', got 'xla'"),
     ("planner", None, "{} must be 'auto', 'dcp' or 'xla_spmd', got None"),
+    ("local_path", "gs://b/x", "{} must be a local directory path (each rank writes its own "
+     "node-local disk; the durable tier is path), got 'gs://b/x'"),
+    ("local_path", 3, "{} must be None or a local directory path (no URL scheme but file://), "
+     "got 3"),
+    ("local_interval", True, "{} must be None or an int >= 1, got True"),
+    ("local_max_to_keep", 0, "{} must be >= 1, got 0"),
 ]
 
 

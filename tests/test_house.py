@@ -60,7 +60,7 @@ LAYERS = {
     "storage": 2, "step_store": 2, "lease": 2, "_arrivals": 2,
     "dcp": 3, "optim": 3,
     "_dist": 4,
-    "_async": 5, "preemption": 5,
+    "_async": 5, "preemption": 5, "tiers": 5,
     "manager": 6, "tools": 6,
     "cli": 7, "__init__": 8, "__main__": 8,
 }

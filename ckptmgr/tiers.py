@@ -1,0 +1,457 @@
+"""The tiers of a manager: the fast node-local tier, and retention per tier.
+
+The durable tier is the root (``path``): one world-size-N checkpoint per step, as always. The
+local tier (``local_path``) is per rank: rank ``r`` writes its own files under
+``<local_path>/rank-<r>``, a root of its own (its own :class:`~ckptmgr.step_store.StepStore`,
+writer lease, commit protocol and checksums) holding a *world-size-1* checkpoint of this rank's
+local view of the state:
+
+- plain tensors and Python values as they are;
+- a DTensor as its local shard, a plain tensor, with the chunk it covers (global shape, offsets,
+  sizes) recorded in the step's manifest, so it is put back only into a DTensor of the same
+  layout.
+
+No process group is used to write or read a local step, so a rank never needs another node's
+disk. The ranks agree on which local steps are whole (every rank holds it, committed, and it
+verifies) with one ``all_gather`` at construction and after each local save; only those are
+listed, restored or counted by retention.
+
+Call order (every collective over the caller's ``comm``, same order on every rank):
+1) (all ranks) :meth:`LocalTier.open` in the constructor: lease, scan, verify, agree.
+2) (all ranks) :meth:`LocalTier.save` for a due step: write this rank's step, agree on the
+   outcome, then apply local retention (a step is deleted only after a newer one committed on
+   every rank).
+3) (all ranks) :meth:`LocalTier.restore`: agree that every rank can read the step (files, sizes,
+   layout) before reading; read; agree that every rank succeeded. False means: every rank falls
+   back to the durable tier.
+
+:func:`durable_after_commit` is the durable tier's retention after a commit (DESIGN.md section 7).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from ckptmgr._dist import Comm
+from ckptmgr.config import ManagerConfig
+from ckptmgr.dcp import Hasher, shards
+from ckptmgr.dcp.checkpoint import (
+    SavePlanners,
+    load_step,
+    prepare_restore,
+    read_step_metadata,
+    write_step,
+)
+from ckptmgr.dcp.optim import prime_optimizer
+from ckptmgr.dcp.state import flatten_state
+from ckptmgr.errors import CkptmgrError, CorruptCheckpointError, SaveError, StorageError
+from ckptmgr.info import StepInfo
+from ckptmgr.layout import join, step_dir_name
+from ckptmgr.lease import Lease
+from ckptmgr.manifest import Manifest
+from ckptmgr.policy import StepRecord, steps_to_delete
+from ckptmgr.step_store import CommitPlan, StepStore
+from ckptmgr.storage import open_storage
+
+__all__ = ["LAYOUT_KEY", "LocalTier", "durable_after_commit", "local_view"]
+
+log = logging.getLogger("ckptmgr")
+
+LAYOUT_KEY = "_ckptmgr_local_tier"
+"""Manifest metadata key of a local step: rank, world size and each DTensor's chunk."""
+
+_READ_PIECE = 8 << 20
+# A staged host copy of a DTensor's local shard, where the staging makes one (save_async).
+_STAGED_DTENSOR: Any = getattr(shards, "StagedDTensor", None)
+
+
+def _chunk_of(value: Any) -> dict[str, Any]:
+    """Global shape and this rank's chunk of a DTensor (live or staged)."""
+    chunks = list(value.__create_chunk_list__())
+    return {"shape": [int(d) for d in value.shape],
+            "chunks": [[[int(o) for o in c.offsets], [int(s) for s in c.sizes]] for c in chunks]}
+
+
+def local_view(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This rank's local view of a flat state: DTensors become their local shard (a plain tensor
+    sharing its memory); the chunk of each is returned beside.
+
+    Raises:
+        ConfigError-free: a sharded XLA tensor raises TypeError (the local tier cannot hold it).
+    """
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, Any] = {}
+    layout: dict[str, Any] = {}
+    with torch.no_grad():
+        for key, value in flat.items():
+            if isinstance(value, DTensor):
+                out[key] = value.to_local()
+                layout[key] = _chunk_of(value)
+            elif _STAGED_DTENSOR is not None and isinstance(value, _STAGED_DTENSOR):
+                pieces = value.local_shards()
+                out[key] = pieces[0] if pieces else torch.empty(0, dtype=value.dtype)
+                layout[key] = _chunk_of(value)
+            elif isinstance(value, shards.ShardedTensor):
+                raise TypeError(f"{key} is a sharded XLA tensor")
+            else:
+                out[key] = value
+    return out, layout
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What one rank reports about one of its local steps."""
+
+    step: int
+    ok: bool
+
+
+class LocalTier:
+    """This rank's node-local tier and the steps all ranks agreed on.
+
+    Args:
+        cfg: the manager's config (``cfg.local.path`` is set).
+        comm: the caller-thread group (ranks agree over it).
+    """
+
+    def __init__(self, cfg: ManagerConfig, comm: Comm) -> None:
+        assert cfg.local.path is not None and cfg.local.interval is not None
+        self.interval = cfg.local.interval
+        self.max_to_keep = cfg.local.max_to_keep
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self._read_only = cfg.read_only
+        self._take_over = cfg.take_over
+        self.root = os.path.join(os.path.abspath(os.path.expanduser(cfg.local.path)),
+                                 f"rank-{comm.rank}")
+        self.store: StepStore | None = None
+        self.lease: Lease | None = None
+        self.steps: list[int] = []  # agreed: committed and verified on every rank, ascending
+        self._planners = SavePlanners()
+        self._warned = False
+        self._bad: set[int] = set()  # this rank's committed steps that did not verify
+
+    @classmethod
+    def open(cls, cfg: ManagerConfig, comm: Comm) -> LocalTier:
+        """(collective) Open this rank's directory (taking its writer lease unless read-only),
+        verify every committed local step (sizes and checksums) and agree on the whole ones.
+
+        Raises:
+            LeaseError, StorageError, ConfigError: on any rank, raised on every rank.
+        """
+        tier = cls(cfg, comm)
+        try:
+            held = comm.agree(tier._open_and_verify)
+        except BaseException:
+            tier.close()
+            raise
+        tier.steps = _whole(comm.all_gather(held), comm.world_size)
+        lost = sorted({h.step for h in held} - set(tier.steps))
+        if lost:
+            log.warning("local tier %s: steps %s are not whole on every rank (a replaced node, "
+                        "or a corrupt or unfinished save): not restorable from the local tier",
+                        tier.root, lost)
+        return tier
+
+    def _open_and_verify(self) -> list[_Held]:
+        if not self._read_only:
+            os.makedirs(self.root, exist_ok=True)
+        self.store = StepStore(open_storage(self.root, writable=not self._read_only))
+        if not self._read_only:
+            self.lease = Lease(self.store.storage)
+            self.lease.acquire(take_over=self._take_over)
+        held: list[_Held] = []
+        for step in self.store.scan().committed:
+            held.append(_Held(step, self._verifies(step)))
+            if not held[-1].ok:
+                self._bad.add(step)
+        return held
+
+    def _verifies(self, step: int) -> bool:
+        """Whether this rank's copy of ``step`` is ours, for this rank and world size, and every
+        file has the size and checksum of the manifest (reads every byte)."""
+        assert self.store is not None
+        try:
+            m = self.store.read_manifest(step)
+            self._check_owner(m)
+            storage, sdir = self.store.storage, step_dir_name(step)
+            for entry in m.files:
+                path = join(sdir, entry.path)
+                if storage.size(path) != entry.size:
+                    raise CorruptCheckpointError(f"{entry.path}: size differs", path=entry.path)
+                h, offset = Hasher(), 0
+                while offset < entry.size:
+                    piece = storage.read_bytes(path, offset, min(_READ_PIECE, entry.size - offset))
+                    if not piece:
+                        break
+                    h.update(piece)
+                    offset += len(piece)
+                if h.value() != entry.checksum:
+                    raise CorruptCheckpointError(f"{entry.path}: checksum differs",
+                                                 path=entry.path)
+        except (CkptmgrError, StorageError) as e:
+            log.warning("local tier %s: step %d does not verify: %s", self.root, step, e)
+            return False
+        return True
+
+    def _check_owner(self, m: Manifest) -> dict[str, Any]:
+        info = m.metadata.get(LAYOUT_KEY)
+        if not isinstance(info, dict) or info.get("rank") != self.rank or info.get(
+                "world_size") != self.world_size:
+            who = {k: info.get(k) for k in ("rank", "world_size")} if isinstance(
+                info, dict) else None
+            raise CorruptCheckpointError(
+                f"step {m.step} was written by another rank or world size ({who}); this is "
+                f"rank {self.rank} of {self.world_size}", step=m.step)
+        return info
+
+    # ---------------------------------------------------------------------------- saving
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is due on the local tier by its interval."""
+        return step % self.interval == 0
+
+    def save(self, step: int, flat: Mapping[str, Any], comm: Comm, *,
+             metrics: Mapping[str, float], metadata: Mapping[str, Any], trusted: bool,
+             num_threads: int | None) -> SaveError | None:
+        """(collective over ``comm``) Write this rank's local step, agree on the outcome, apply
+        local retention. Returns the agreed failure (every rank gets the same), else None."""
+        err: BaseException | None = None
+        nbytes = 0
+        try:
+            nbytes = self._write(step, flat, metrics, metadata, trusted, num_threads)
+        except Exception as e:
+            err = e
+        errors = comm.all_gather(None if err is None else f"{type(err).__name__}: {err}")
+        self._agree_and_prune(comm)
+        failed = {r: CkptmgrError(e) for r, e in enumerate(errors) if e is not None}
+        if failed:
+            r = min(failed)
+            return SaveError(f"local-tier save of step {step} failed on rank {r}: {errors[r]}",
+                             step=step, failures=dict(failed))
+        log.info("saved step %d to the local tier %s (%d bytes on this rank)", step, self.root,
+                 nbytes)
+        return None
+
+    def _write(self, step: int, flat: Mapping[str, Any], metrics: Mapping[str, float],
+               metadata: Mapping[str, Any], trusted: bool, num_threads: int | None) -> int:
+        assert self.store is not None
+        try:
+            local, layout = local_view(flat)
+        except TypeError as e:
+            if not self._warned:
+                self._warned = True
+                log.warning("the local tier cannot hold this state (%s): only the durable tier "
+                            "saves it", e)
+            raise
+        info = {"rank": self.rank, "world_size": self.world_size, "dtensors": layout}
+        if self.lease is not None:
+            self.lease.check()
+        plan: CommitPlan | None = self.store.begin_save(
+            step, forced=False, overwrite=True, world_size=1, metrics=metrics,
+            metadata={**metadata, LAYOUT_KEY: info}, on_exists="skip")
+        if plan is None:
+            raise CkptmgrError(f"{self.root} holds a foreign directory for step {step}")
+        with torch.no_grad():
+            outcome = write_step(local, self.store, plan, rank=0, group=None,
+                                 planner=self._planners.get(False), trusted=trusted,
+                                 num_threads=num_threads,
+                                 fence=self.lease.check if self.lease is not None else None)
+        if not plan.staged:
+            self.store.remove_replaced_attempts(plan)
+        self._bad.discard(step)  # re-saved: whole again once every rank holds it
+        return outcome.bytes_written
+
+    def _agree_and_prune(self, comm: Comm) -> None:
+        """(collective) Agree on the whole steps; then delete every other step of this rank:
+        those beyond the ``max_to_keep`` newest whole ones (a newer step committed on every
+        rank) and those that are not whole (not restorable from this tier)."""
+        mine: list[int] = []
+        if self.store is not None:
+            try:
+                mine = self.store.scan().committed
+            except StorageError as e:
+                log.warning("local tier %s: listing failed: %s", self.root, e)
+        held = [_Held(s, s not in self._bad) for s in mine]
+        self.steps = _whole(comm.all_gather(held), comm.world_size)[-self.max_to_keep:]
+        if self.store is None or self._read_only:
+            return
+        for s in mine:
+            if s in self.steps:
+                continue
+            try:
+                if self.lease is not None:
+                    self.lease.check()
+                self.store.delete_step(s)
+                self._bad.discard(s)
+                log.info("local retention deleted step %d from %s", s, self.root)
+            except CkptmgrError as e:  # best effort: the kept steps are whole everywhere
+                log.warning("local retention could not delete step %d: %s", s, e)
+        try:
+            self.store.remove_leftovers(self.store.scan())
+        except CkptmgrError as e:
+            log.warning("local tier %s: could not remove leftovers: %s", self.root, e)
+
+    # --------------------------------------------------------------------------- reading
+
+    def restore(self, step: int, state_dict: Mapping[str, Any], comm: Comm, *,
+                allow_partial: bool, trusted: bool, verify: bool) -> bool:
+        """(collective) Restore ``step`` from the local tier if every rank can, else nothing.
+
+        Every rank first checks, without reading data, that its files are there with their sizes
+        and that the target's DTensors have the saved chunks; the ranks agree; only then does each
+        read its own files (checksums verified while reading) and the ranks agree again. Returns
+        False (on every rank) when any rank could not: the caller restores the durable tier,
+        which overwrites whatever was read, so the state never mixes the tiers.
+        """
+        if step not in self.steps:
+            return False
+        why = self._readable(step, state_dict)
+        if not self._agreed(comm, why, step, "before reading"):
+            return False
+        err: str | None = None
+        try:
+            nbytes = self._load(step, state_dict, allow_partial=allow_partial, trusted=trusted,
+                                verify=verify)
+        except CkptmgrError as e:
+            err = f"{type(e).__name__}: {e}"
+        if not self._agreed(comm, err, step, "while reading"):
+            return False
+        log.info("restored step %d from the local tier %s (%d bytes read on this rank)", step,
+                 self.root, nbytes)
+        return True
+
+    def _agreed(self, comm: Comm, why: str | None, step: int, when: str) -> bool:
+        whys = comm.all_gather(why)
+        bad = {r: w for r, w in enumerate(whys) if w is not None}
+        if not bad:
+            return True
+        log.warning("step %d cannot be restored from the local tier (%s: %s); every rank "
+                    "restores the durable tier instead", step, when,
+                    "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items())))
+        self.steps = [s for s in self.steps if s != step]
+        self._bad.add(step)  # on every rank: it never becomes whole again unless re-saved
+        return False
+
+    def _readable(self, step: int, state_dict: Mapping[str, Any]) -> str | None:
+        """Why this rank cannot read ``step`` from its local tier, or None (reads no data)."""
+        assert self.store is not None
+        try:
+            m = self.store.read_manifest(step)
+            info = self._check_owner(m)
+            files = self.store.storage.list_files(step_dir_name(step))
+            for entry in m.files:
+                if files.get(entry.path) != entry.size:
+                    return f"{entry.path} is missing or has another size"
+            saved = info.get("dtensors", {})
+            _, layout = local_view(flatten_state(state_dict).flat)
+            for key in sorted(set(layout) | set(saved)):
+                if key in layout and key in saved and layout[key] != saved[key]:
+                    return f"{key} is sharded differently than when it was saved"
+        except (CkptmgrError, StorageError, TypeError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def _load(self, step: int, state_dict: Mapping[str, Any], *, allow_partial: bool,
+              trusted: bool, verify: bool) -> int:
+        assert self.store is not None
+        store = self.store
+        m = store.read_manifest(step)
+        saved = read_step_metadata(store, step, m, verify=verify).state_dict_metadata
+        for key, value in state_dict.items():  # an in-place load fills only state that exists
+            if isinstance(value, torch.optim.Optimizer) and not value.state and any(
+                    k.startswith(f"{key}.state.") for k in saved):
+                prime_optimizer(value)
+        with torch.no_grad():
+            fs = flatten_state(state_dict)
+            view, _ = local_view(fs.flat)
+            prepared = prepare_restore(store, step, view, planner="dcp",
+                                       allow_partial=allow_partial, trusted=trusted,
+                                       verify=verify, world_size=1)
+            nbytes = load_step(prepared, store, step, rank=0, world_size=1, group=None,
+                               verify=verify, trusted=trusted)
+        tensors = set(fs.tensor_keys())
+        fs.apply_values({k: view[k] for k in prepared.keys if k not in tensors})
+        return nbytes
+
+    # ----------------------------------------------------------------------- introspection
+
+    def step_info(self, step: int) -> StepInfo:
+        """This rank's manifest of local ``step`` as a StepInfo (``tiers=("local",)``): its files
+        and bytes are this rank's; ``world_size`` is the job's."""
+        assert self.store is not None
+        m = self.store.read_manifest(step)
+        info = StepInfo.from_manifest(m)
+        meta = {k: v for k, v in m.metadata.items() if k != LAYOUT_KEY}
+        layout = m.metadata.get(LAYOUT_KEY) or {}
+        return replace(info, metadata=meta, world_size=int(layout.get("world_size", 1)),
+                       bytes_per_rank={self.rank: info.total_bytes}, tiers=("local",))
+
+    def close(self) -> None:
+        """Release this rank's local writer lease."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+
+def _whole(held: list[list[_Held]], world_size: int) -> list[int]:
+    """Steps every rank holds and verified, ascending."""
+    counts: dict[int, int] = {}
+    for per_rank in held:
+        for h in per_rank:
+            if h.ok:
+                counts[h.step] = counts.get(h.step, 0) + 1
+    return sorted(s for s, n in counts.items() if n == world_size)
+
+
+def durable_after_commit(store: StepStore, records: dict[int, StepRecord], plan: CommitPlan,
+                         manifest: Manifest | None, policy: Any,
+                         check_lease: Callable[[], None]) -> tuple[dict[int, StepRecord],
+                                                                   list[int]]:
+    """(coordinator) The durable tier after a commit: record it, drop replaced attempts, apply
+    retention, remove leftovers of crashed saves. Retention never deletes the step this save
+    committed, the newest committed step, or anything ckptmgr did not write.
+
+    Returns:
+        The new records and the plain-DCP steps of the root.
+    """
+    assert manifest is not None, "coordinator has no manifest after commit"
+    records = dict(records)
+    records[plan.step] = StepRecord(step=plan.step, time=manifest.unix_time,
+                                    metrics=dict(manifest.metrics))
+    if not plan.staged:
+        store.remove_replaced_attempts(plan)
+    # Nothing else is in flight: the only save in flight is the one that just committed.
+    doomed = [s for s in steps_to_delete([records[s] for s in sorted(records)], policy)
+              if s != plan.step]
+    for s in doomed:
+        try:
+            check_lease()
+            store.delete_step(s)
+        except CkptmgrError as e:  # retention is best effort; the new step is committed
+            log.warning("retention could not delete step %d: %s", s, e)
+            continue
+        log.info("retention deleted step %d from %s", s, store.url)
+        del records[s]
+    scan = store.scan()
+    store.remove_leftovers(scan, keep_attempt=plan.attempt)
+    return records, scan.dcp_steps
+
+
+def durable_fits(elapsed_s: float, last: Any, grace_s: float) -> bool:
+    """(coordinator) Whether a durable save still fits in the preemption grace period after the
+    local one: ``elapsed_s`` since the agreement plus the last durable write (``last``: its
+    SaveStats, None when this process made none: then try) within ``grace_s``."""
+    need = getattr(last, "write_s", None)
+    if need is None or elapsed_s + need <= grace_s:
+        return True
+    log.warning("preemption: the local tier holds the step; skipping the durable save (%.1f s "
+                "elapsed + %.1f s for the last durable write > preemption_grace_s=%.1f s)",
+                elapsed_s, need, grace_s)
+    return False
