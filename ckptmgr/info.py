@@ -30,6 +30,9 @@ class StepInfo:
         format: ``"ckptmgr"`` for our steps; ``"dcp"`` for a step written by plain DCP
             (torch_xla's manager, torchtitan, ``dcp.save``): listed and never written or deleted
             by ckptmgr; its other fields are empty (its metadata is pickle, never read to list).
+        tiers: which tiers hold the step: ``("durable",)``, ``("local",)`` or both
+            (docs/multitier.md). For a step only on the local tier, ``files``, ``total_bytes``
+            and ``bytes_per_rank`` are this rank's own.
     """
 
     step: int
@@ -43,6 +46,7 @@ class StepInfo:
     versions: Mapping[str, str]
     mesh: Any = None
     format: str = "ckptmgr"
+    tiers: tuple[str, ...] = ("durable",)
 
     @classmethod
     def foreign(cls, step: int) -> StepInfo:

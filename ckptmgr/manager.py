@@ -17,7 +17,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -49,10 +49,11 @@ from ckptmgr.info import SaveStats, StepInfo
 from ckptmgr.layout import attempt_in_name, check_step
 from ckptmgr.lease import Lease
 from ckptmgr.manifest import Manifest, check_metadata, check_metrics
-from ckptmgr.policy import StepRecord, best_step, build_policy, steps_to_delete
+from ckptmgr.policy import StepRecord, best_step, build_policy
 from ckptmgr.preemption import PreemptionWatcher
 from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import open_storage
+from ckptmgr.tiers import LocalTier, durable_after_commit, durable_fits
 
 __all__ = ["CheckpointManager"]
 
@@ -79,7 +80,8 @@ class _Ready:
 
     request: _Request
     prepared: PreparedSave
-    plan: CommitPlan
+    plan: CommitPlan | None  # None: the local tier only
+    local: bool = False  # also (first) to the local tier
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,9 @@ class CheckpointManager:
         read_only: bool = False,
         take_over: bool = False,
         collective_timeout_s: float | None = None,
+        local_path: str | None = None,
+        local_interval: int | None = None,
+        local_max_to_keep: int = 2,
     ) -> None:
         self._closed = True  # until fully constructed, close() has nothing to release
         cfg = ManagerConfig.from_kwargs(
@@ -148,7 +153,8 @@ class CheckpointManager:
             preemption_signals=preemption_signals, preemption_grace_s=preemption_grace_s,
             exit_on_preemption=exit_on_preemption, preemption_file=preemption_file,
             planner=planner, read_only=read_only, take_over=take_over,
-            collective_timeout_s=collective_timeout_s)
+            collective_timeout_s=collective_timeout_s, local_path=local_path,
+            local_interval=local_interval, local_max_to_keep=local_max_to_keep)
         self.config = cfg
         self._store = StepStore(open_storage(cfg.path, cfg.storage.options,
                                              writable=not cfg.read_only))
@@ -168,6 +174,7 @@ class CheckpointManager:
         self._grace_warned = False
         self._inflight_step: int | None = None
         self._last_stats: SaveStats | None = None
+        self._local: LocalTier | None = None  # the node-local tier (ckptmgr.tiers)
         # Two gloo groups of our own, each used by one thread only (two threads issuing
         # collectives on one group deadlock): the caller's thread, and the background writer.
         self._caller = self._worker = Comm(None)
@@ -177,6 +184,7 @@ class CheckpointManager:
             self._caller = Comm(group, timeout)
             self._worker = Comm(group and make_group(process_group, timeout), timeout)
             self._view = self._caller.on_coordinator(self._open_root)
+            self._local = LocalTier.open(cfg, self._caller) if cfg.local.path else None
             self._preempt = PreemptionWatcher(
                 cfg.preemption.signals if cfg.preemption.enabled else (),
                 file=cfg.preemption.file, check=preemption_check)
@@ -214,12 +222,14 @@ class CheckpointManager:
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is due by the interval (local; no I/O)."""
         step = check_step(step)
-        return bool(step % self.config.save_interval == 0) or step == self._preempted_step
+        return (bool(step % self.config.save_interval == 0) or step == self._preempted_step
+                or (self._local is not None and self._local.due(step)))
 
     def all_steps(self) -> list[int]:
         """Restorable steps, ascending: ours and plain-DCP ones (the view agreed at
         construction and after each commit)."""
-        return sorted({*self._view.records, *self._view.foreign})
+        return sorted({*self._view.records, *self._view.foreign,
+                       *(self._local.steps if self._local is not None else ())})
 
     def latest_step(self) -> int | None:
         """The newest restorable step, or None."""
@@ -247,7 +257,11 @@ class CheckpointManager:
         self._require_listed(step)
         if step in self._view.foreign:
             return StepInfo.foreign(step)
-        return StepInfo.from_manifest(self._store.read_manifest(step))
+        if step not in self._view.records and self._local is not None:
+            return self._local.step_info(step)
+        info = StepInfo.from_manifest(self._store.read_manifest(step))
+        on_local = self._local is not None and step in self._local.steps
+        return replace(info, tiers=("durable", "local")) if on_local else info
 
     # ------------------------------------------------------------------------ collectives
 
@@ -296,9 +310,9 @@ class CheckpointManager:
             return ready
         staged = self._stager.stage(ready.prepared.flat)
         blocking_s = time.perf_counter() - ready.request.t_call
-        self._inflight_step = ready.plan.step
+        self._inflight_step = ready.request.step
         self._queue.submit(lambda: self._write(ready, staged, self._worker, blocking_s),
-                           name=f"ckptmgr-save-{ready.plan.step}")
+                           name=f"ckptmgr-save-{ready.request.step}")
         return True
 
     def join(self) -> None:
@@ -361,6 +375,11 @@ class CheckpointManager:
         comm, cfg = self._caller, self.config
         comm.arrivals.begin("restore", step, "restore")
         comm.on_coordinator(lambda: self._require_listed(step))  # the view is the same everywhere
+        if self._local is not None and self._local.restore(
+                step, state_dict, comm, allow_partial=allow_partial, trusted=trusted,
+                verify=cfg.verify):
+            return
+        comm.on_coordinator(lambda: self._require_listed(step, durable=True))
         if step in self._view.foreign:  # plain DCP (torch_xla, torchtitan): read by DCP's reader
             foreign = comm.agree(lambda: prepare_foreign_restore(
                 self._store.storage, step, state_dict, planner=cfg.planner,
@@ -446,18 +465,22 @@ class CheckpointManager:
                      self._inflight_step)
             return False
         self.join()
-        return self._prepare(req, state_dict, on_exists="raise")
+        return self._prepare(req, state_dict, on_exists="raise",
+                             durable=req.forced or req.step % self.config.save_interval == 0,
+                             local=self._local is not None and (req.forced or self._local.due(
+                                 req.step)))
 
     def _prepare(self, req: _Request, state_dict: Mapping[str, Any], *,
-                 on_exists: str) -> _Ready | bool:
+                 on_exists: str, durable: bool = True, local: bool = False) -> _Ready | bool:
         """(caller thread, collective) Flatten and check the state; the coordinator plans."""
         comm = self._caller
         prepared = comm.agree(lambda: prepare_save(state_dict, planner=self.config.planner,
                                                    trusted=req.trusted), token=req.step)
-        plan = comm.on_coordinator(lambda: self._begin_on_coordinator(req, prepared, on_exists))
-        if plan is None:
+        plan = comm.on_coordinator(lambda: self._begin_on_coordinator(
+            req, prepared, on_exists)) if durable else None
+        if plan is None and not local:
             return False
-        return _Ready(req, prepared, plan)
+        return _Ready(req, prepared, plan, local)
 
     def _begin_on_coordinator(self, req: _Request, prepared: PreparedSave,
                               on_exists: str) -> CommitPlan | None:
@@ -488,10 +511,18 @@ class CheckpointManager:
             self.join()
         except AsyncSaveError as e:  # the last checkpoint matters more than the one before it
             log.error("the save before the preemption failed: %s", e)
-        ready = self._prepare(req, state_dict, on_exists="skip")
+        if self._local is not None:  # the fast tier first, the durable one if the grace allows
+            ready = self._prepare(req, state_dict, on_exists="skip", durable=False, local=True)
+            try:
+                self._write(ready, ready.prepared.flat, self._caller, None)  # type: ignore
+            except SaveError as e:
+                log.error("the local-tier preemption save failed: %s", e)
+        fits = self._local is None or self._caller.on_coordinator(lambda: durable_fits(
+            time.perf_counter() - req.t_call, self._last_stats, self.config.preemption.grace_s))
+        ready = self._prepare(req, state_dict, on_exists="skip") if fits else True
         if isinstance(ready, _Ready):
             self._write(ready, ready.prepared.flat, self._caller, blocking_s=None)
-        else:
+        elif ready is False:
             log.warning("step %d is already in the root: it is the preemption checkpoint",
                         req.step)
         assert self._preempt is not None
@@ -511,6 +542,14 @@ class CheckpointManager:
         thread for ``save_async`` (the worker's).
         """
         plan, req = ready.plan, ready.request
+        local_err = self._local.save(
+            req.step, flat, comm, metrics=req.metrics, metadata=req.metadata,
+            trusted=req.trusted, num_threads=self.config.async_.num_of_threads,
+        ) if ready.local and self._local is not None else None
+        if plan is None:
+            if local_err is not None:
+                raise local_err
+            return
         t_write = time.perf_counter()
         outcome = write_step(
             flat, self._store, plan, rank=comm.rank, group=comm.group,
@@ -538,32 +577,14 @@ class CheckpointManager:
         log.info("saved step %d to %s: blocked %.3f s, wrote %d bytes in %.3f s (%.1f MB/s)",
                  plan.step, self.path, stats.blocking_s, total, write_s,
                  stats.throughput_bytes_per_s / 1e6)
+        if local_err is not None:
+            raise local_err
 
     def _after_commit(self, plan: CommitPlan, manifest: Manifest | None) -> _View:
-        """(coordinator) Record the commit, drop replaced attempts, apply retention, remove
-        leftovers of crashed saves. Retention never deletes the step this save committed, the
-        newest committed step, or anything ckptmgr did not write."""
-        assert manifest is not None, "coordinator has no manifest after commit"
-        records = dict(self._view.records)
-        records[plan.step] = StepRecord(step=plan.step, time=manifest.unix_time,
-                                        metrics=dict(manifest.metrics))
-        if not plan.staged:
-            self._store.remove_replaced_attempts(plan)
-        # Nothing else is in flight: the only save in flight is the one that just committed.
-        doomed = [s for s in steps_to_delete([records[s] for s in sorted(records)],
-                                             self._policy) if s != plan.step]
-        for s in doomed:
-            try:
-                self._check_lease()
-                self._store.delete_step(s)
-            except CkptmgrError as e:  # retention is best effort; the new step is committed
-                log.warning("retention could not delete step %d: %s", s, e)
-                continue
-            log.info("retention deleted step %d from %s", s, self.path)
-            del records[s]
-        scan = self._store.scan()
-        self._store.remove_leftovers(scan, keep_attempt=plan.attempt)
-        return _View(records, frozenset(scan.dcp_steps))
+        """(coordinator) The durable tier's retention after a commit (ckptmgr.tiers)."""
+        records, dcp_steps = durable_after_commit(self._store, self._view.records, plan,
+                                                  manifest, self._policy, self._check_lease)
+        return _View(records, frozenset(dcp_steps))
 
     def _check_lease(self) -> None:
         """(coordinator) Raise LeaseError unless this manager still holds the writer lease."""
@@ -586,6 +607,8 @@ class CheckpointManager:
                 except Exception as e:  # a failed release must not mask the caller's error
                     log.debug("could not destroy ckptmgr group: %s", e)
         self._caller = self._worker = Comm(None)
+        if self._local is not None:
+            self._local.close()
         if self._lease is not None:
             self._lease.release()
             self._lease = None
@@ -594,7 +617,8 @@ class CheckpointManager:
         """(coordinator) Whether ``step`` now holds another attempt than ``attempt``."""
         return self._store.current_attempt(step) not in (attempt, None)
 
-    def _require_listed(self, step: int) -> None:
+    def _require_listed(self, step: int, durable: bool = False) -> None:
         self._store.check_not_symlink(step)
-        if step not in self._view.records and step not in self._view.foreign:
+        local = not durable and self._local is not None and step in self._local.steps
+        if step not in self._view.records and step not in self._view.foreign and not local:
             raise self._store.not_found(step, self.all_steps())
