@@ -84,6 +84,8 @@ class SaveStats:
         pinned_bytes: bytes of pinned (page-locked) host memory the staging buffers hold (0
             without CUDA); allocated at the first save and reused while the state's structure is
             unchanged.
+        tier: where the step went: ``"durable"`` (the root) or ``"local"`` (the fast
+            node-local tier).
     """
 
     step: int
@@ -93,8 +95,15 @@ class SaveStats:
     total_bytes: int
     staging_bytes: int = 0
     pinned_bytes: int = 0
+    tier: str = "durable"
 
     @property
     def throughput_bytes_per_s(self) -> float:
         """Whole-step bytes per second of writing."""
         return self.total_bytes / self.write_s if self.write_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every figure, throughput included, as a JSON-ready dict (what log records carry)."""
+        out = dict(self.__dict__)
+        out["throughput_bytes_per_s"] = self.throughput_bytes_per_s
+        return out

@@ -45,7 +45,9 @@ from ckptmgr.errors import (
     SaveError,
     StorageError,
 )
+from ckptmgr.events import Listeners, log_restore, log_save
 from ckptmgr.info import SaveStats, StepInfo
+from ckptmgr.initial import KeyMap, load_initial
 from ckptmgr.layout import attempt_in_name, check_step
 from ckptmgr.lease import Lease
 from ckptmgr.manifest import Manifest, check_metadata, check_metrics
@@ -174,6 +176,7 @@ class CheckpointManager:
         self._grace_warned = False
         self._inflight_step: int | None = None
         self._last_stats: SaveStats | None = None
+        self._events = Listeners()
         self._local: LocalTier | None = None  # the node-local tier (ckptmgr.tiers)
         # Two gloo groups of our own, each used by one thread only (two threads issuing
         # collectives on one group deadlock): the caller's thread, and the background writer.
@@ -367,6 +370,7 @@ class CheckpointManager:
             UnsafeCheckpointError: a value needs pickle and not ``trusted`` (a step written by
                 plain DCP always does: its .metadata is pickle), or a path escapes.
         """
+        t_call = time.perf_counter()
         self._check_open()
         step = check_step(step)
         allow_partial = check_flag("allow_partial", allow_partial)
@@ -415,7 +419,26 @@ class CheckpointManager:
                         f"root each of the {_RESTORE_TRIES} times it was read; it is not "
                         "damaged: restore it again, or restore another step", step=step) from e
                 log.warning("step %d was overwritten while it was read; reading it again", step)
-        log.info("restored step %d from %s (%d bytes read on this rank)", step, self.path, nbytes)
+        log_restore(step, self.path, nbytes, time.perf_counter() - t_call)
+        self._events.emit("on_restore_end", step, nbytes, time.perf_counter() - t_call)
+
+    def load_initial(self, source: str | os.PathLike[str], state_dict: Mapping[str, Any], *,
+                     key_map: KeyMap | None = None) -> bool:
+        """Load a Hugging Face directory, ``.safetensors``/``.pt`` file or another root into
+        ``state_dict`` in place while this root has no step (:mod:`ckptmgr.initial`).
+        Collective. Returns False (logged, nothing loaded) once the run has its own steps."""
+        self._check_open()
+        if self.all_steps():
+            log.info("load_initial ignored: %s already holds steps", self.path)
+            return False
+        load_initial(source, state_dict, key_map=key_map, comm=self._caller,
+                     storage_options=self.config.storage.options, verify=self.config.verify)
+        return True
+
+    def add_listener(self, listener: Any) -> None:
+        """Call ``listener``'s ``on_save_start``/``on_save_end``/``on_restore_end`` on this rank
+        (:mod:`ckptmgr.events`); one that raises is logged, never fails a save."""
+        self._events.add(listener)
 
     # ------------------------------------------------------------------------- internals
 
@@ -480,6 +503,7 @@ class CheckpointManager:
             req, prepared, on_exists)) if durable else None
         if plan is None and not local:
             return False
+        self._events.emit("on_save_start", req.step)
         return _Ready(req, prepared, plan, local)
 
     def _begin_on_coordinator(self, req: _Request, prepared: PreparedSave,
@@ -574,9 +598,8 @@ class CheckpointManager:
                         "preemption checkpoint may be killed before it commits; raise the grace "
                         "period of your scheduler or make the state smaller", plan.step, took,
                         grace)
-        log.info("saved step %d to %s: blocked %.3f s, wrote %d bytes in %.3f s (%.1f MB/s)",
-                 plan.step, self.path, stats.blocking_s, total, write_s,
-                 stats.throughput_bytes_per_s / 1e6)
+        log_save(stats, self.path)
+        self._events.emit("on_save_end", stats)
         if local_err is not None:
             raise local_err
 
