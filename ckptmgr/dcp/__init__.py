@@ -6,7 +6,7 @@ load entry points)."""
 
 from ckptmgr.dcp._bytes import Hasher, checksum, tensor_memoryview
 from ckptmgr.dcp._compat import dcp_load, dcp_save
-from ckptmgr.dcp._metadata_json import ItemLocation, decode_metadata, dtype_name
+from ckptmgr.dcp._metadata_json import ItemLocation, decode_metadata, dtype_name, encode_metadata
 from ckptmgr.dcp.fsdp import ModelOptimizerState
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
 from ckptmgr.dcp.reader import CkptStorageReader
@@ -29,5 +29,6 @@ __all__ = [
     "dcp_save",
     "decode_metadata",
     "dtype_name",
+    "encode_metadata",
     "tensor_memoryview",
 ]
