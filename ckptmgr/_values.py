@@ -17,8 +17,8 @@ from typing import Any
 
 from ckptmgr.manifest import ManifestError, check_json_depth
 
-__all__ = ["MAX_VALUE_BYTES", "NotRepresentableError", "decode_value", "encode_value",
-           "is_representable"]
+__all__ = ["MAX_VALUE_BYTES", "NotRepresentableError", "decode_tagged", "decode_value",
+           "encode_tagged", "encode_value", "is_representable"]
 
 _TAGS = frozenset({"__tuple__", "__float__", "__bytes__", "__dict__", "__odict__"})
 _MAX_DEPTH = 100
@@ -32,7 +32,7 @@ class NotRepresentableError(TypeError):
     """The value holds an object that tagged JSON cannot store exactly."""
 
 
-def _enc(obj: Any, depth: int) -> Any:
+def _enc(obj: Any, depth: int, allow_bytes: bool = True) -> Any:
     if depth > _MAX_DEPTH:
         raise NotRepresentableError(f"value is nested deeper than {_MAX_DEPTH} levels")
     t = type(obj)
@@ -43,18 +43,25 @@ def _enc(obj: Any, depth: int) -> Any:
             return obj
         return {"__float__": "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")}
     if t is list:
-        return [_enc(v, depth + 1) for v in obj]
+        return [_enc(v, depth + 1, allow_bytes) for v in obj]
     if t is tuple:
-        return {"__tuple__": [_enc(v, depth + 1) for v in obj]}
+        return {"__tuple__": [_enc(v, depth + 1, allow_bytes) for v in obj]}
     if t is bytes:
+        if not allow_bytes:
+            raise NotRepresentableError("bytes are stored with pickle here")
         return {"__bytes__": base64.b64encode(obj).decode("ascii")}
     if t is OrderedDict:
-        return {"__odict__": [[_enc(k, depth + 1), _enc(v, depth + 1)] for k, v in obj.items()]}
+        return {"__odict__": _pairs(obj, depth, allow_bytes)}
     if t is dict:
         if all(type(k) is str for k in obj) and not (len(obj) == 1 and next(iter(obj)) in _TAGS):
-            return {k: _enc(v, depth + 1) for k, v in obj.items()}
-        return {"__dict__": [[_enc(k, depth + 1), _enc(v, depth + 1)] for k, v in obj.items()]}
+            return {k: _enc(v, depth + 1, allow_bytes) for k, v in obj.items()}
+        return {"__dict__": _pairs(obj, depth, allow_bytes)}
     raise NotRepresentableError(f"{t.__module__}.{t.__qualname__} is not a plain Python value")
+
+
+def _pairs(obj: dict[Any, Any], depth: int, allow_bytes: bool) -> list[list[Any]]:
+    return [[_enc(k, depth + 1, allow_bytes), _enc(v, depth + 1, allow_bytes)]
+            for k, v in obj.items()]
 
 
 def _hashable(key: Any) -> Any:
@@ -85,22 +92,50 @@ def _dec(obj: Any) -> Any:
     return obj
 
 
-def is_representable(obj: Any) -> bool:
+def is_representable(obj: Any, *, allow_bytes: bool = True) -> bool:
     """Whether ``obj`` round-trips exactly through :func:`encode_value`."""
     try:
-        _enc(obj, 0)
+        _enc(obj, 0, allow_bytes)
     except NotRepresentableError:
         return False
     return True
 
 
-def encode_value(obj: Any) -> bytes:
+def encode_tagged(obj: Any, *, allow_bytes: bool = True) -> Any:
+    """``obj`` as a tagged JSON document (plain dicts, lists, str, numbers), not yet serialized:
+    for embedding a value in a larger JSON document.
+
+    Raises:
+        NotRepresentableError: ``obj`` holds something other than plain Python values (or, with
+            ``allow_bytes=False``, holds ``bytes``).
+    """
+    return _enc(obj, 0, allow_bytes)
+
+
+def decode_tagged(doc: Any) -> Any:
+    """The value :func:`encode_tagged` made ``doc`` from (``doc`` already parsed from JSON).
+
+    Raises:
+        ValueError: ``doc`` is not a tagged JSON document.
+    """
+    try:
+        return _dec(doc)
+    except (TypeError, ValueError, AttributeError, RecursionError) as e:
+        raise ValueError(f"not a tagged JSON value: {e}") from e
+
+
+def encode_value(obj: Any, *, allow_bytes: bool = True) -> bytes:
     """``obj`` as tagged JSON bytes.
+
+    Args:
+        allow_bytes: store ``bytes`` with the ``__bytes__`` tag (else they are not representable:
+            the standalone DCP writer keeps them for pickle, as plain DCP does).
 
     Raises:
         NotRepresentableError: ``obj`` holds something other than plain Python values.
     """
-    return json.dumps(_enc(obj, 0), separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return json.dumps(_enc(obj, 0, allow_bytes), separators=(",", ":"),
+                      allow_nan=False).encode("utf-8")
 
 
 def decode_value(data: bytes) -> Any:

@@ -18,7 +18,6 @@ import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import torch.distributed as dist
@@ -29,33 +28,27 @@ from ckptmgr.config import ManagerConfig, check_flag, load_config
 from ckptmgr.dcp.checkpoint import (
     PreparedSave,
     SavePlanners,
-    load_step,
-    prepare_restore,
     prepare_save,
-    read_restore_source,
     write_step,
 )
-from ckptmgr.dcp.foreign import load_foreign, prepare_foreign_restore
 from ckptmgr.errors import (
     AsyncSaveError,
     CkptmgrError,
     ConfigError,
-    CorruptCheckpointError,
-    RestoreError,
     SaveError,
     StorageError,
 )
 from ckptmgr.events import Listeners, log_restore, log_save
 from ckptmgr.info import SaveStats, StepInfo
 from ckptmgr.initial import KeyMap, load_initial
-from ckptmgr.layout import attempt_in_name, check_step
+from ckptmgr.layout import check_step
 from ckptmgr.lease import Lease
 from ckptmgr.manifest import Manifest, check_metadata, check_metrics
 from ckptmgr.policy import StepRecord, best_step, build_policy
-from ckptmgr.preemption import PreemptionWatcher
+from ckptmgr.preemption import PreemptionWatcher, warn_if_over_grace
 from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import open_storage
-from ckptmgr.tiers import LocalTier, durable_after_commit, durable_fits
+from ckptmgr.tiers import LocalTier, durable_after_commit, durable_fits, restore_durable
 
 __all__ = ["CheckpointManager"]
 
@@ -260,11 +253,11 @@ class CheckpointManager:
         self._require_listed(step)
         if step in self._view.foreign:
             return StepInfo.foreign(step)
+        local = self._local is not None and step in self._local.steps
         if step not in self._view.records and self._local is not None:
             return self._local.step_info(step)
         info = StepInfo.from_manifest(self._store.read_manifest(step))
-        on_local = self._local is not None and step in self._local.steps
-        return replace(info, tiers=("durable", "local")) if on_local else info
+        return replace(info, tiers=("durable", "local")) if local else info
 
     # ------------------------------------------------------------------------ collectives
 
@@ -356,10 +349,9 @@ class CheckpointManager:
                 trusted: bool = False) -> None:
         """Load ``step`` into ``state_dict`` in place (resharding as needed). Collective.
 
-        Loads exactly the keys of ``state_dict`` (a subset of the checkpoint is fine). Tensors are
-        filled in place; Python values are replaced; Stateful objects get ``load_state_dict``.
-        A step overwritten by another process while it is read is read again: the result is the
-        old or the new version, never a mix.
+        Loads exactly the keys of ``state_dict`` (a subset of the checkpoint is fine), from the
+        local tier when every rank holds the step there, else from the durable one. A step
+        overwritten while it is read is read again: the old or the new version, never a mix.
 
         Raises:
             CheckpointNotFoundError: ``step`` is not committed (IncompleteCheckpointError when
@@ -384,41 +376,9 @@ class CheckpointManager:
                 verify=cfg.verify):
             return
         comm.on_coordinator(lambda: self._require_listed(step, durable=True))
-        if step in self._view.foreign:  # plain DCP (torch_xla, torchtitan): read by DCP's reader
-            foreign = comm.agree(lambda: prepare_foreign_restore(
-                self._store.storage, step, state_dict, planner=cfg.planner,
-                allow_partial=allow_partial, trusted=trusted), token=step)
-            return load_foreign(foreign, rank=comm.rank, world_size=comm.world_size,
-                                group=comm.group)
-        for tries_left in reversed(range(_RESTORE_TRIES)):
-            # The attempt whose files this try reads; None until its manifest was read.
-            attempt: str | None = None
-            try:
-                source = comm.on_coordinator(  # nobody else lists or reads manifest, metadata
-                    lambda: read_restore_source(self._store, step, verify=cfg.verify))
-                attempt = source.manifest.attempt
-                prepared = comm.agree(partial(prepare_restore, source, step, state_dict,
-                    planner=cfg.planner, allow_partial=allow_partial, trusted=trusted,
-                    world_size=comm.world_size), token=step)
-                nbytes = load_step(prepared, self._store, step, rank=comm.rank,
-                                   world_size=comm.world_size, group=comm.group,
-                                   verify=cfg.verify, trusted=trusted, arrivals=comm.arrivals)
-                break
-            except (CorruptCheckpointError, StorageError) as e:
-                # An overwrite by the writing job removes the replaced attempt's files (the
-                # metadata or a data file, even while it is listed): the step is not damaged,
-                # it is newer. Read it again; only a step that stayed the same is damaged.
-                if attempt is None:  # failed before the manifest was agreed: the file names it
-                    attempt = attempt_in_name(getattr(e, "path", None))
-                if attempt is None or not comm.on_coordinator(
-                        partial(self._overwritten, step, attempt)):
-                    raise
-                if not tries_left:
-                    raise RestoreError(
-                        f"step {step} in {self.path} was overwritten by the job writing this "
-                        f"root each of the {_RESTORE_TRIES} times it was read; it is not "
-                        "damaged: restore it again, or restore another step", step=step) from e
-                log.warning("step %d was overwritten while it was read; reading it again", step)
+        nbytes = restore_durable(self._store, step, state_dict, comm, foreign=step in
+                                 self._view.foreign, planner=cfg.planner,
+                                 allow_partial=allow_partial, trusted=trusted, verify=cfg.verify)
         log_restore(step, self.path, nbytes, time.perf_counter() - t_call)
         self._events.emit("on_restore_end", step, nbytes, time.perf_counter() - t_call)
 
@@ -590,14 +550,10 @@ class CheckpointManager:
             staging_bytes=self._stager.last_staged_bytes if blocking_s is not None else 0,
             pinned_bytes=self._stager.pinned_nbytes)
         self._last_stats = stats
-        grace = self.config.preemption.grace_s
         took = stats.blocking_s + (write_s if blocking_s is not None else 0.0)
-        if self.config.preemption.enabled and took > grace and not self._grace_warned:
-            self._grace_warned = True
-            log.warning("saving step %d took %.1f s, longer than preemption_grace_s=%.1f s: a "
-                        "preemption checkpoint may be killed before it commits; raise the grace "
-                        "period of your scheduler or make the state smaller", plan.step, took,
-                        grace)
+        if self.config.preemption.enabled and not self._grace_warned:
+            self._grace_warned = warn_if_over_grace(plan.step, took,
+                                                    self.config.preemption.grace_s)
         log_save(stats, self.path)
         self._events.emit("on_save_end", stats)
         if local_err is not None:
@@ -635,10 +591,6 @@ class CheckpointManager:
         if self._lease is not None:
             self._lease.release()
             self._lease = None
-
-    def _overwritten(self, step: int, attempt: str) -> bool:
-        """(coordinator) Whether ``step`` now holds another attempt than ``attempt``."""
-        return self._store.current_attempt(step) not in (attempt, None)
 
     def _require_listed(self, step: int, durable: bool = False) -> None:
         self._store.check_not_symlink(step)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ckptmgr.errors import ConfigError
 
-__all__ = ["PreemptionWatcher"]
+__all__ = ["PreemptionWatcher", "warn_if_over_grace"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -120,3 +120,14 @@ class PreemptionWatcher:
             except (ValueError, OSError) as e:
                 log.debug("could not restore the handler of %s: %s", sig, e)
         self._previous.clear()
+
+
+def warn_if_over_grace(step: int, took_s: float, grace_s: float) -> bool:
+    """Warn (once per manager: the caller keeps the result) when a save took longer than the
+    grace period a preemption leaves; whether it warned."""
+    if took_s <= grace_s:
+        return False
+    log.warning("saving step %d took %.1f s, longer than preemption_grace_s=%.1f s: a "
+                "preemption checkpoint may be killed before it commits; raise the grace period "
+                "of your scheduler or make the state smaller", step, took_s, grace_s)
+    return True

@@ -16,6 +16,12 @@ renamed or written into; a due save of an existing step is skipped, a forced one
 (:class:`~ckptmgr.errors.CheckpointExistsError`) unless it is our committed step and overwrite
 is on.
 
+It also serves a **checkpoint directory** on its own: one step's files straight in a directory
+(or the storage root itself, ``dirname=""``) with no root around it, which is what the standalone
+DCP writer and reader (``ckptmgr.dcp.CkptStorageWriter(url)``) write and read:
+:meth:`StepStore.begin_dir_save`, :meth:`StepStore.read_dir_manifest`,
+:meth:`StepStore.read_dir_file`, then the same :meth:`StepStore.commit`.
+
 Call order of one save (DESIGN.md section 5): (coordinator) :meth:`StepStore.begin_save` ->
 (all ranks) write data files into ``plan.write_dir`` -> (coordinator) :meth:`StepStore.commit`
 (or :meth:`StepStore.discard` after a failure) -> (coordinator)
@@ -25,6 +31,7 @@ Call order of one save (DESIGN.md section 5): (coordinator) :meth:`StepStore.beg
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +74,7 @@ __all__ = [
     "RootScan",
     "StepStore",
     "check_step",
+    "is_attempt_file_name",
     "is_our_file_name",
 ]
 
@@ -81,6 +89,18 @@ _OUR_PREFIXES = ("data-", "metadata-", f"{MANIFEST_NAME}.tmp-")
 def is_our_file_name(name: str) -> bool:
     """Whether ``name`` is a file name ckptmgr writes inside a step directory."""
     return name == MANIFEST_NAME or name.startswith(_OUR_PREFIXES)
+
+
+# A data or metadata file of one attempt (12 hex digits, then '-' or '.'), or a manifest being
+# written: what a save into a user's directory may remove when it replaces an older attempt.
+_ATTEMPT_FILE_RE = re.compile(r"(?:data|metadata)-[0-9a-f]{12}[-.].*|"
+                              + re.escape(MANIFEST_NAME) + r"\.tmp-.*", re.DOTALL)
+
+
+def is_attempt_file_name(name: str) -> bool:
+    """Whether ``name`` is, exactly, the name of a file one save attempt writes (stricter than
+    :func:`is_our_file_name`: ``data-train.csv`` is not)."""
+    return _ATTEMPT_FILE_RE.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -254,25 +274,72 @@ class StepStore:
             StorageError: reading failed.
         """
         self.check_not_symlink(step)
-        path = join(step_dir_name(step), MANIFEST_NAME)
         try:
-            # Sized first: an oversized manifest is refused without reading it.
-            size = self.storage.size(path)
-            if size > MAX_MANIFEST_BYTES:
-                raise CorruptCheckpointError(
-                    f"step {step}: {MANIFEST_NAME}: manifest is {size} bytes, over the "
-                    f"{MAX_MANIFEST_BYTES} limit", step=step, path=MANIFEST_NAME)
-            data = self.storage.read_bytes(path)
+            return self._read_manifest_at(step_dir_name(step), step)
         except StorageError as e:
             if is_not_found(e):
                 raise self.not_found(step, self.committed_steps()) from e
             raise
+
+    def read_dir_manifest(self, dirname: str = "") -> tuple[Manifest, bytes]:
+        """The validated manifest of the checkpoint directory ``dirname`` ("": the storage root
+        itself) and its raw bytes; its step is whatever the manifest says.
+
+        Raises:
+            CheckpointNotFoundError: no manifest there; the message says what the directory
+                holds instead (a plain-DCP checkpoint, a ckptmgr root with steps, nothing).
+            CorruptCheckpointError, UnsafeCheckpointError, StorageError: as
+                :meth:`read_manifest_bytes`.
+        """
+        try:
+            return self._read_manifest_at(dirname, None)
+        except StorageError as e:
+            if is_not_found(e):
+                raise self._dir_not_found(dirname) from e
+            raise
+
+    def _dir_not_found(self, dirname: str) -> CheckpointNotFoundError:
+        where = f"{self.url}/{dirname}" if dirname else self.url
+        files: dict[str, int] = {}
+        steps: list[int] = []
+        try:
+            files = self.storage.list_files(dirname)
+            if not dirname and not files:  # the root of a manager holds directories only
+                steps = self.committed_steps()
+        except StorageError:
+            pass
+        if DCP_METADATA_NAME in files:
+            return CheckpointNotFoundError(
+                f"{where} holds a plain-DCP checkpoint (.metadata), not one written by ckptmgr: "
+                "read it with torch.distributed.checkpoint.FileSystemReader (its metadata is "
+                "pickle: only if you trust who wrote it), or bring it in with `ckptmgr import`",
+                available=[])
+        if steps:
+            shown = steps if len(steps) <= 10 else [*steps[:3], "...", *steps[-5:]]
+            return CheckpointNotFoundError(
+                f"{where} is a ckptmgr root holding steps {shown}, not one checkpoint: pass the "
+                f"step's directory (e.g. {where.rstrip('/')}/{steps[-1]})", available=steps)
+        what = "it is empty or missing" if not files else f"{MANIFEST_NAME} is missing"
+        return CheckpointNotFoundError(
+            f"no committed checkpoint at {where} ({what}: never saved, or the save did not "
+            "finish)", available=[])
+
+    def _read_manifest_at(self, sdir: str, step: int | None) -> tuple[Manifest, bytes]:
+        path = join(sdir, MANIFEST_NAME)
+        what = f"step {step}: " if step is not None else ""
+        # Sized first: an oversized manifest is refused without reading it.
+        size = self.storage.size(path)
+        if size > MAX_MANIFEST_BYTES:
+            raise CorruptCheckpointError(
+                f"{what}{MANIFEST_NAME}: manifest is {size} bytes, over the "
+                f"{MAX_MANIFEST_BYTES} limit", step=step, path=MANIFEST_NAME)
+        data = self.storage.read_bytes(path)
         try:
             return decode_manifest(data, expected_step=step), data
         except UnsafePathError as e:
-            raise UnsafeCheckpointError(f"step {step}: {MANIFEST_NAME}: {e}", step=step) from e
+            raise UnsafeCheckpointError(f"{what}{MANIFEST_NAME}: {e}", step=step) from e
         except ManifestError as e:
-            raise CorruptCheckpointError(f"step {step}: {MANIFEST_NAME}: {e}", step=step,
+            raise CorruptCheckpointError(f"{what}{MANIFEST_NAME}: {e}", step=step,
                                          path=MANIFEST_NAME) from e
 
     def read_manifest(self, step: int) -> Manifest:
@@ -291,8 +358,17 @@ class StepStore:
             CorruptCheckpointError: missing, wrong size or checksum (names the file).
             UnsafeCheckpointError: the file is a symbolic link.
         """
+        return self.read_dir_file(step_dir_name(step), manifest, name, max_bytes=max_bytes,
+                                  verify=verify, checksum=checksum)
+
+    def read_dir_file(self, dirname: str, manifest: Manifest, name: str, *, max_bytes: int,
+                      verify: bool = True,
+                      checksum: Callable[[bytes], str] | None = None) -> bytes:
+        """:meth:`read_file` for the checkpoint directory ``dirname`` (a step directory, or ""
+        for the storage root itself); errors name ``manifest.step``."""
+        step = manifest.step
         entry = manifest.file(name)
-        path = join(step_dir_name(step), name)
+        path = join(dirname, name)
         if self.storage.is_symlink(path):
             raise UnsafeCheckpointError(
                 f"step {step}: {name} is a symbolic link; ckptmgr never follows links out of the "
@@ -388,6 +464,36 @@ class StepStore:
                           staged=staged, overwrite=committed, world_size=world_size,
                           metrics=dict(metrics or {}), metadata=dict(metadata or {}), mesh=mesh)
 
+    def begin_dir_save(self, dirname: str = "", *, step: int, world_size: int,
+                       attempt: str | None = None) -> CommitPlan:
+        """(coordinator) Plan a save into the checkpoint directory ``dirname`` ("": the storage
+        root itself), written in place: the new attempt's files go next to whatever is there,
+        and its manifest, written last, is the commit (replacing an older one of ours at once,
+        whose files :meth:`remove_replaced_attempts` then removes with ``exact_names=True``).
+
+        Unlike :meth:`begin_save` the directory is the caller's: files ckptmgr did not write may
+        sit in it and are left alone, but a plain-DCP checkpoint (``.metadata``) is refused, as
+        our files next to it would leave a directory that two readers see differently.
+
+        Raises:
+            CheckpointExistsError: the directory holds a plain-DCP checkpoint.
+            UnsafeCheckpointError: ``dirname`` is a symbolic link (not for the root itself).
+            StorageError: listing or creating the directory failed.
+        """
+        if dirname and self.storage.is_symlink(dirname):
+            raise UnsafeCheckpointError(f"{self.url}/{dirname} is a symbolic link; ckptmgr "
+                                        "never writes through links", step=step)
+        files = self.storage.list_files(dirname)
+        if DCP_METADATA_NAME in files:
+            where = f"{self.url}/{dirname}" if dirname else self.url
+            raise CheckpointExistsError(
+                f"{where} holds a plain-DCP checkpoint (.metadata); ckptmgr never writes into "
+                "or deletes what it did not write: save to another directory, or move it away")
+        attempt = attempt or new_attempt_id()
+        self.storage.makedirs(dirname)
+        return CommitPlan(step=step, attempt=attempt, write_dir=dirname, step_dir=dirname,
+                          staged=False, overwrite=MANIFEST_NAME in files, world_size=world_size)
+
     def _refuse(self, step: int, raise_it: bool, message: str) -> None:
         if raise_it:
             raise CheckpointExistsError(message)
@@ -429,24 +535,36 @@ class StepStore:
             if plan.staged:
                 self.storage.remove(plan.write_dir, recursive=True)
                 return
-            if self.current_attempt(plan.step) == plan.attempt:
+            try:
+                committed = self._read_manifest_at(plan.step_dir, None)[0].attempt
+            except (CkptmgrError, StorageError):
+                committed = None
+            if committed == plan.attempt:
                 return  # it committed after all
             for name in self.storage.list_files(plan.step_dir):
                 if plan.attempt in name and is_our_file_name(name):
                     self.storage.remove(join(plan.step_dir, name))
-            if not plan.overwrite and not self.storage.list_files(plan.step_dir):
+            # An emptied step directory goes; a checkpoint directory (begin_dir_save) is the
+            # caller's and stays.
+            if plan.step_dir and not plan.overwrite and not self.storage.list_files(
+                    plan.step_dir):
                 self.storage.remove(plan.step_dir, recursive=True)
         except (StorageError, CkptmgrError) as e:
             log.warning("could not remove files of failed attempt %s of step %d: %s",
                         plan.attempt, plan.step, e)
 
-    def remove_replaced_attempts(self, plan: CommitPlan) -> None:
+    def remove_replaced_attempts(self, plan: CommitPlan, *, exact_names: bool = False) -> None:
         """(coordinator, after a direct commit) Remove our files of other attempts of the step:
-        those an overwrite replaced and those of crashed attempts. Best effort."""
+        those an overwrite replaced and those of crashed attempts. Best effort.
+
+        Args:
+            exact_names: remove only names that :func:`is_attempt_file_name` matches exactly
+                (a directory that is the caller's, see :meth:`begin_dir_save`).
+        """
+        ours = is_attempt_file_name if exact_names else is_our_file_name
         try:
             for name in self.storage.list_files(plan.step_dir):
-                if (name != MANIFEST_NAME and plan.attempt not in name
-                        and is_our_file_name(name)):
+                if (name != MANIFEST_NAME and plan.attempt not in name and ours(name)):
                     self.storage.remove(join(plan.step_dir, name))
         except StorageError as e:
             log.warning("could not remove files replaced by the save of step %d: %s",

@@ -34,6 +34,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,14 +46,22 @@ from ckptmgr.dcp.checkpoint import (
     SavePlanners,
     load_step,
     prepare_restore,
+    read_restore_source,
     read_step_metadata,
     write_step,
 )
+from ckptmgr.dcp.foreign import load_foreign, prepare_foreign_restore
 from ckptmgr.dcp.optim import prime_optimizer
 from ckptmgr.dcp.state import flatten_state
-from ckptmgr.errors import CkptmgrError, CorruptCheckpointError, SaveError, StorageError
+from ckptmgr.errors import (
+    CkptmgrError,
+    CorruptCheckpointError,
+    RestoreError,
+    SaveError,
+    StorageError,
+)
 from ckptmgr.info import StepInfo
-from ckptmgr.layout import join, step_dir_name
+from ckptmgr.layout import attempt_in_name, join, step_dir_name
 from ckptmgr.lease import Lease
 from ckptmgr.manifest import Manifest
 from ckptmgr.policy import StepRecord, steps_to_delete
@@ -455,3 +464,61 @@ def durable_fits(elapsed_s: float, last: Any, grace_s: float) -> bool:
                 "elapsed + %.1f s for the last durable write > preemption_grace_s=%.1f s)",
                 elapsed_s, need, grace_s)
     return False
+
+
+_RESTORE_TRIES = 3  # a step overwritten while it is read is read again (old or new, never mixed)
+
+
+def restore_durable(store: StepStore, step: int, state_dict: Mapping[str, Any], comm: Comm, *,
+                    foreign: bool, planner: str, allow_partial: bool, trusted: bool,
+                    verify: bool) -> int:
+    """(collective over ``comm``) Restore ``step`` from the durable tier in place; the bytes
+    this rank read.
+
+    A plain-DCP step (``foreign``) is read with DCP's own reader (:mod:`ckptmgr.dcp.foreign`).
+    Our steps: the coordinator alone reads the manifest and metadata and shares them; a step
+    overwritten by the job writing the root while it is read is read again, so the result is
+    the old or the new version, never a mix, and never a false "damaged".
+    """
+    if foreign:
+        prepared_foreign = comm.agree(lambda: prepare_foreign_restore(
+            store.storage, step, state_dict, planner=planner, allow_partial=allow_partial,
+            trusted=trusted), token=step)
+        load_foreign(prepared_foreign, rank=comm.rank, world_size=comm.world_size,
+                     group=comm.group)
+        return 0
+    for tries_left in reversed(range(_RESTORE_TRIES)):
+        # The attempt whose files this try reads; None until its manifest was read.
+        attempt: str | None = None
+        try:
+            source = comm.on_coordinator(  # nobody else lists or reads manifest, metadata
+                lambda: read_restore_source(store, step, verify=verify))
+            attempt = source.manifest.attempt
+            prepared = comm.agree(partial(prepare_restore, source, step, state_dict,
+                                          planner=planner, allow_partial=allow_partial,
+                                          trusted=trusted, world_size=comm.world_size),
+                                  token=step)
+            return load_step(prepared, store, step, rank=comm.rank, world_size=comm.world_size,
+                             group=comm.group, verify=verify, trusted=trusted,
+                             arrivals=comm.arrivals)
+        except (CorruptCheckpointError, StorageError) as e:
+            # An overwrite by the writing job removes the replaced attempt's files (the metadata
+            # or a data file, even while it is listed): the step is not damaged, it is newer.
+            # Read it again; only a step that stayed the same is damaged.
+            if attempt is None:  # failed before the manifest was agreed: the file names it
+                attempt = attempt_in_name(getattr(e, "path", None))
+            if attempt is None or not comm.on_coordinator(
+                    partial(_overwritten, store, step, attempt)):
+                raise
+            if not tries_left:
+                raise RestoreError(
+                    f"step {step} in {store.url} was overwritten by the job writing this root "
+                    f"each of the {_RESTORE_TRIES} times it was read; it is not damaged: "
+                    "restore it again, or restore another step", step=step) from e
+            log.warning("step %d was overwritten while it was read; reading it again", step)
+    raise AssertionError("unreachable")
+
+
+def _overwritten(store: StepStore, step: int, attempt: str) -> bool:
+    """(coordinator) Whether ``step`` now holds another attempt than ``attempt``."""
+    return store.current_attempt(step) not in (attempt, None)

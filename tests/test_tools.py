@@ -104,8 +104,8 @@ def save_sharded(root: str, step: int, state: dict[str, Any]) -> None:
                       write_dir=staging_dir_name(step, attempt) if staged else str(step),
                       step_dir=str(step), staged=staged, overwrite=False, world_size=2)
     storage.makedirs(plan.write_dir)
-    dcp_save(flatten_state(state).flat, CkptStorageWriter(storage, plan, 0), ShardingPlanner(),
-             None)
+    dcp_save(flatten_state(state).flat, CkptStorageWriter.for_attempt(storage, plan, 0),
+             ShardingPlanner(), None)
 
 
 def _build_root(root: str) -> None:

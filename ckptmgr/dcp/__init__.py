@@ -2,7 +2,11 @@
 flattening that keeps Python values out of pickle, the model/optimizer ``Stateful`` for FSDP2, HSDP,
 DDP and plain models, the compatibility report of a restore, and the byte-level pieces the layers
 above read checkpoints with (checksums, tensor byte views, the JSON metadata codec, DCP's save and
-load entry points)."""
+load entry points).
+
+Usable without the manager, under plain ``torch.distributed.checkpoint`` (docs/dcp.md):
+``CkptStorageWriter(url)`` / ``CkptStorageReader(url)`` as DCP's storage layer, and
+``SpmdSavePlanner()`` / ``SpmdLoadPlanner()`` where torch_xla's SPMD planners were used."""
 
 from ckptmgr.dcp._bytes import Hasher, checksum, tensor_memoryview
 from ckptmgr.dcp._compat import dcp_load, dcp_save
@@ -11,6 +15,7 @@ from ckptmgr.dcp.fsdp import ModelOptimizerState
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
 from ckptmgr.dcp.reader import CkptStorageReader
 from ckptmgr.dcp.report import CompatibilityReport, compatibility_report
+from ckptmgr.dcp.spmd import SpmdLoadPlanner, SpmdSavePlanner
 from ckptmgr.dcp.writer import CkptStorageWriter, CommitPlan
 
 __all__ = [
@@ -23,6 +28,8 @@ __all__ = [
     "Hasher",
     "ItemLocation",
     "ModelOptimizerState",
+    "SpmdLoadPlanner",
+    "SpmdSavePlanner",
     "checksum",
     "compatibility_report",
     "dcp_load",

@@ -3,6 +3,11 @@
 The encoding holds what loading needs: per key, tensor dtype, global size and stored chunks, or a
 marker for an encoded Python value; and per stored item, where its bytes are (file, offset, length),
 their checksum and encoding. Decoding validates every field and every path.
+
+Optional, when the save planner flattened a nested state dict (DCP's default planners do):
+``planner_data``, each flat key's path in the nested dict (tagged JSON: str keys and int list
+indices), which DCP's own tools use to rebuild nesting (``_EmptyStateDictLoadPlanner``,
+``load_sharded_optimizer_state_dict``). A planner whose data is anything else keeps it to itself.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ckptmgr._values import NotRepresentableError, decode_tagged, encode_tagged
 from ckptmgr.layout import check_file_name
 from ckptmgr.manifest import ManifestError, UnsafePathError, check_json_depth
 
@@ -88,9 +94,43 @@ def encode_metadata(md: Metadata) -> bytes:
             "file": loc.file, "pos": loc.offset, "length": loc.length,
             "checksum": loc.checksum, "enc": loc.enc,
         })
-    doc = {"format": FORMAT, "version": VERSION, "dcp_version": md.version,
-           "tensors": tensors, "values": values, "storage": storage}
+    doc: dict[str, Any] = {"format": FORMAT, "version": VERSION, "dcp_version": md.version,
+                           "tensors": tensors, "values": values, "storage": storage}
+    paths = _planner_paths(md.planner_data)
+    if paths is not None:
+        doc["planner_data"] = paths
     return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+
+def _planner_paths(planner_data: Any) -> Any:
+    """``planner_data`` as tagged JSON when it is DCP's flattening map (flat key -> path of str
+    and int parts), else None (not stored)."""
+    if not isinstance(planner_data, dict) or not planner_data:
+        return None
+    for k, path in planner_data.items():
+        if not isinstance(k, str) or not isinstance(path, (tuple, list)) or not all(
+                type(p) in (str, int) for p in path):
+            return None
+    try:
+        return encode_tagged({k: tuple(p) for k, p in planner_data.items()})
+    except NotRepresentableError:
+        return None
+
+
+def _decode_planner_paths(doc: Any) -> dict[str, tuple[str | int, ...]]:
+    try:
+        paths = decode_tagged(doc)
+    except ValueError as e:
+        raise ManifestError(f"bad planner_data: {e}") from e
+    if not isinstance(paths, dict):
+        raise ManifestError("planner_data must map keys to paths")
+    out: dict[str, tuple[str | int, ...]] = {}
+    for k, path in paths.items():
+        if not isinstance(k, str) or not isinstance(path, tuple) or not path or not all(
+                type(p) in (str, int) for p in path):
+            raise ManifestError(f"bad planner_data path for {k!r}")
+        out[k] = path
+    return out
 
 
 def decode_metadata(data: bytes) -> Metadata:
@@ -161,5 +201,7 @@ def decode_metadata(data: bytes) -> Metadata:
             raise ManifestError(f"bad encoding or checksum for {fqn!r}")
         storage_data[idx] = ItemLocation(file, pos, length, s["checksum"], s["enc"])
     dcp_version = doc.get("dcp_version")
-    return Metadata(state_dict_metadata=sdm, planner_data=None, storage_data=storage_data,
+    planner_data = (_decode_planner_paths(doc["planner_data"]) if doc.get("planner_data")
+                    is not None else None)
+    return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage_data,
                     version=dcp_version if isinstance(dcp_version, str) else None)

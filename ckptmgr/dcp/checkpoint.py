@@ -29,12 +29,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ckptmgr._arrivals import Arrivals, track
 from ckptmgr._values import is_representable
-from ckptmgr.dcp._bytes import checksum
 from ckptmgr.dcp._compat import dcp_load, dcp_save
-from ckptmgr.dcp._metadata_json import MAX_METADATA_BYTES, ItemLocation, decode_metadata
+from ckptmgr.dcp._metadata_json import ItemLocation
 from ckptmgr.dcp.optim import prime_optimizer
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
-from ckptmgr.dcp.reader import CkptStorageReader
+from ckptmgr.dcp.reader import CkptStorageReader, read_metadata_file
 from ckptmgr.dcp.report import CompatibilityReport, compatibility_report, describe_mesh
 from ckptmgr.dcp.spmd import SpmdLoadPlanner, SpmdSavePlanner, has_sharded
 from ckptmgr.dcp.state import FlatState, flatten_state
@@ -43,7 +42,6 @@ from ckptmgr.dcp.xla import wrap_xla_tensors
 from ckptmgr.errors import (
     CkptmgrError,
     ConfigError,
-    CorruptCheckpointError,
     LeaseError,
     RestoreError,
     SaveError,
@@ -51,7 +49,7 @@ from ckptmgr.errors import (
     UnsafeCheckpointError,
 )
 from ckptmgr.layout import step_dir_name
-from ckptmgr.manifest import Manifest, ManifestError, UnsafePathError
+from ckptmgr.manifest import Manifest
 from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import retry_budget
 
@@ -211,15 +209,7 @@ def read_step_metadata(store: StepStore, step: int, manifest: Manifest, *,
         CorruptCheckpointError, UnsafeCheckpointError: as :meth:`StepStore.read_file`, or
             metadata that does not decode (names the file).
     """
-    name = manifest.metadata_file
-    data = store.read_file(step, manifest, name, max_bytes=MAX_METADATA_BYTES, verify=verify,
-                           checksum=checksum)
-    try:
-        return decode_metadata(data)
-    except UnsafePathError as e:
-        raise UnsafeCheckpointError(f"step {step}: {name}: {e}", step=step) from e
-    except ManifestError as e:
-        raise CorruptCheckpointError(f"step {step}: {name}: {e}", step=step, path=name) from e
+    return read_metadata_file(store, step_dir_name(step), manifest, verify=verify)
 
 
 def _prime_unprimed_optimizers(state_dict: Mapping[str, Any], metadata: Metadata) -> None:

@@ -255,7 +255,8 @@ def load_foreign(prepared: PreparedForeignRestore, *, rank: int, world_size: int
         The CkptmgrError a rank met (prefixed with its rank), or RestoreError.
     """
     step, flat = prepared.step, dict(prepared.load)
-    planner = _ForeignSpmdLoadPlanner() if prepared.spmd else _ForeignLoadPlanner()
+    planner = (_ForeignSpmdLoadPlanner(flatten_state_dict=False) if prepared.spmd
+               else _ForeignLoadPlanner())
     try:
         dcp_load(flat, prepared.reader, planner, group)
         if isinstance(planner, SpmdLoadPlanner):

@@ -17,8 +17,15 @@ rank's keys, shapes, dtypes, shards or of the world size plans again). Subclasse
 ``plan_cache = False``, or per save by returning None from ``_structure_key``; one whose local
 plan depends on more than the flat state's tensors' layout must extend ``_structure_key``.
 
-Python values never go through ``torch.save``/``torch.load``: the writer encodes the object it looks
-up, and the reader hands decoded values to :meth:`CkptLoadPlanner.load_value`.
+Python values never go through ``torch.save``/``torch.load`` between our writer and our reader: the
+writer encodes the object it looks up, and the reader hands decoded values to
+:meth:`CkptLoadPlanner.load_value`. Under another storage reader they arrive as DCP's pickle bytes
+(:meth:`CkptLoadPlanner.load_bytes`), loaded with ``weights_only=True`` unless trusted.
+
+Flat or nested: the manager flattens states itself (``ckptmgr.dcp.state``) and hands these planners
+flat dicts (``flatten_state_dict=False``, the default here); under plain ``dcp.save``/``dcp.load``
+pass ``flatten_state_dict=True`` for nested dicts, as DCP's default planners do (the SPMD planners
+of :mod:`.spmd` do so by default, like torch_xla's).
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from ckptmgr.errors import UnsafeCheckpointError
 
 __all__ = [
     "CkptLoadPlanner", "CkptSavePlanner", "balance_replicated", "default_structure_key",
-    "item_bytes", "metadata_bytes_estimate",
+    "flatten_like_dcp", "item_bytes", "metadata_bytes_estimate", "set_by_path",
 ]
 
 # Bytes our JSON metadata spends per stored item (its storage entry with file name, position,
@@ -200,8 +207,14 @@ class CkptSavePlanner(DefaultSavePlanner):
 
     plan_cache: bool = True
 
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=True)
+    def __init__(self, *, flatten_state_dict: bool = False) -> None:
+        """
+        Args:
+            flatten_state_dict: flatten nested dicts and lists the way DCP's default planner
+                does (and record the paths as ``planner_data``): for nested state dicts under
+                plain ``dcp.save``. The manager hands over states it flattened itself.
+        """
+        super().__init__(flatten_state_dict=flatten_state_dict, flatten_sharded_tensors=True)
         self.local_plan_reuses = 0
         self.global_plan_reuses = 0
         self._key: Any = None
@@ -242,7 +255,9 @@ class CkptSavePlanner(DefaultSavePlanner):
         self._key = None
         if self.plan_cache:
             key = self._structure_key(self.state_dict)
-            self._key = None if key is None else (self.is_coordinator, key)
+            # Flattened: the nesting paths go into the plan (planner_data), so they key it too.
+            paths = tuple(self.mappings.items()) if self.flatten_state_dict else None
+            self._key = None if key is None else (self.is_coordinator, key, paths)
         if self._key is not None:
             for i, (cached_key, cached_plan) in enumerate(self._local_cache):
                 if cached_key == self._key:
@@ -299,18 +314,90 @@ class CkptSavePlanner(DefaultSavePlanner):
 
 
 class CkptLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planning (resharding) on a flat state dict; collects Python values."""
+    """DCP's default load planning (resharding) on a flat state dict; collects Python values.
 
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=True,
-                         allow_partial_load=False)
+    Python values reach it two ways: from our reader, decoded (:meth:`load_value`, no pickle);
+    from another storage reader (DCP's ``FileSystemReader``), as DCP's pickle bytes
+    (:meth:`load_bytes`), which are unpickled with ``torch.load(weights_only=True)`` (plain
+    values, containers and tensors only) unless the planner is ``trusted``.
+
+    Each loaded value is recorded in :attr:`values` (the manager applies them itself) and set in
+    the state dict being loaded, as DCP's default planner does.
+    """
+
+    def __init__(self, *, flatten_state_dict: bool = False, allow_partial_load: bool = False,
+                 trusted: bool = False) -> None:
+        """
+        Args:
+            flatten_state_dict: flatten nested dicts and lists as DCP's default planner does
+                (nested state dicts under plain ``dcp.load``).
+            allow_partial_load: leave keys the checkpoint lacks as they are instead of failing.
+            trusted: unpickle values from another storage reader fully (``weights_only=False``),
+                which runs code from the checkpoint: only for checkpoints you trust.
+        """
+        super().__init__(flatten_state_dict=flatten_state_dict, flatten_sharded_tensors=True,
+                         allow_partial_load=allow_partial_load)
+        self.trusted = trusted
         self.values: dict[str, Any] = {}
 
     def load_value(self, read_item: ReadItem, value: Any) -> None:
-        """Record the decoded Python value of ``read_item``."""
-        self.values[read_item.dest_index.fqn] = value
+        """(all ranks) Take the decoded Python value of ``read_item``."""
+        fqn = read_item.dest_index.fqn
+        self.values[fqn] = value
+        if self.flatten_state_dict and fqn in self.mappings:
+            set_by_path(self.original_state_dict, self.mappings[fqn], value)
+        else:
+            self.state_dict[fqn] = value
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        # Only a foreign reader would call this, with pickle bytes: refuse rather than unpickle.
-        raise UnsafeCheckpointError(
-            f"refusing to unpickle {read_item.dest_index.fqn!r} from a foreign storage reader")
+        """(all ranks) A value as DCP's pickle bytes, from a storage reader other than ours."""
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as e:  # UnpicklingError and whatever a hostile stream raises
+            if not self.trusted:
+                raise UnsafeCheckpointError(
+                    f"{fqn!r} holds an object that only full unpickling can load "
+                    f"({type(e).__name__}); pass trusted=True to the load planner only if you "
+                    "trust who wrote this checkpoint") from e
+            value.seek(0)
+            obj = torch.load(value, weights_only=False)
+        self.load_value(read_item, obj)
+
+
+def flatten_like_dcp(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's own flattening of a nested state dict: flat key -> value, and flat key -> its path.
+
+    Done by DCP's public default save planner, whose set-up flattens and nothing else (the load
+    planner's also replaces, in place, every value of a type it does not know by None: our
+    sharded tensors among them).
+    """
+    planner = DefaultSavePlanner(flatten_state_dict=True, flatten_sharded_tensors=True)
+    planner.set_up_planner(state_dict=dict(state_dict), is_coordinator=False)
+    return dict(planner.state_dict), dict(planner.mappings)
+
+
+def set_by_path(root: Any, path: tuple[str | int, ...] | list[str | int], value: Any) -> None:
+    """Set ``value`` at ``path`` of a nested state dict the way DCP's flattening recorded it:
+    str parts are dict keys (missing dicts are created), int parts list indices (lists grow)."""
+    container = root
+    for i, part in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(container, list) and isinstance(part, int):
+            while len(container) <= part:
+                container.append(None)
+            if last:
+                container[part] = value
+            else:
+                if container[part] is None:
+                    container[part] = {} if isinstance(path[i + 1], str) else []
+                container = container[part]
+        else:
+            if (isinstance(part, str) and part not in container and part.isdigit()
+                    and int(part) in container):
+                part = int(part)  # an int-keyed dict (an optimizer's state): DCP wrote str(k)
+            if last:
+                container[part] = value
+            else:
+                container = container.setdefault(
+                    part, {} if isinstance(path[i + 1], str) else [])

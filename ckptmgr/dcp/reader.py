@@ -1,8 +1,11 @@
 """Our DCP ``StorageReader``: reads straight into destination tensors and verifies every item.
 
 Call order (DCP's, per restore):
-1) (all ranks) ``read_metadata`` returns the metadata the manager already read and validated;
-   ``set_up_storage_reader``, ``prepare_local_plan``
+1) (all ranks) ``reset`` (DCP's ``checkpoint_id``: the standalone reader's URL);
+   ``read_metadata``: the standalone reader (``CkptStorageReader(url)``) reads the manifest
+   (size-bounded, validated), then the JSON metadata it lists (size and checksum checked; never
+   pickle); a manager's reader (:meth:`CkptStorageReader.for_step`) returns what the manager read
+   and validated already; ``set_up_storage_reader``, ``prepare_local_plan``
 2) (coordinator) ``prepare_global_plan``
 3) (all ranks) ``read_data``: check the size of every file the plan touches before reading any
    bytes; decode Python values from tagged JSON (pickle only when ``trusted``); then, on the
@@ -13,14 +16,19 @@ Call order (DCP's, per restore):
    destinations) and checksums each piece while it is in cache. Destinations are committed to the
    planner on the calling thread, in order, once every read of a window succeeded. Buffered
    destinations are bounded: at most 512 MiB of buffers are held at once (a window).
+   Python values go to our load planners decoded (``load_value``); any other planner (DCP's
+   ``DefaultLoadPlanner``) gets them as bytes it can load (``load_bytes``): ``torch.save`` of the
+   decoded JSON value, or the stored pickle bytes when ``trusted``.
 """
 
 from __future__ import annotations
 
 import io
+import os
+import sys
 import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,16 +39,24 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptmgr._values import MAX_VALUE_BYTES, decode_value
+from ckptmgr.config import check_flag
+from ckptmgr.dcp._args import check_options, check_url
 from ckptmgr.dcp._bytes import Hasher, checksum, tensor_memoryview
-from ckptmgr.dcp._metadata_json import ItemLocation
+from ckptmgr.dcp._metadata_json import MAX_METADATA_BYTES, ItemLocation, decode_metadata
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
 from ckptmgr.dcp.planner import CkptLoadPlanner
-from ckptmgr.errors import CorruptCheckpointError, UnsafeCheckpointError
+from ckptmgr.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    RestoreError,
+    UnsafeCheckpointError,
+)
 from ckptmgr.layout import join
-from ckptmgr.manifest import Manifest
-from ckptmgr.storage import RangeReads, Storage
+from ckptmgr.manifest import Manifest, ManifestError, UnsafePathError
+from ckptmgr.step_store import StepStore
+from ckptmgr.storage import RangeReads, Storage, is_url_supported, open_storage, redact_url
 
-__all__ = ["DEFAULT_NUM_THREADS", "CkptStorageReader"]
+__all__ = ["DEFAULT_NUM_THREADS", "CkptStorageReader", "read_metadata_file"]
 
 DEFAULT_NUM_THREADS = 2
 """Read streams per rank when the caller does not choose: two keep the disk busy while the other
@@ -92,17 +108,83 @@ class _RangeReader:
             self._native.close()
 
 
+def read_metadata_file(store: StepStore, dirname: str, manifest: Manifest, *,
+                       verify: bool = True) -> Metadata:
+    """The DCP metadata of the committed checkpoint in ``dirname`` (a step directory, or "" for
+    the storage root itself): size-checked before reading, checksum-checked after (``verify``),
+    decoded from JSON (never pickle).
+
+    Raises:
+        CorruptCheckpointError, UnsafeCheckpointError: as :meth:`StepStore.read_dir_file`, or
+            metadata that does not decode (names the file).
+    """
+    step, name = manifest.step, manifest.metadata_file
+    data = store.read_dir_file(dirname, manifest, name, max_bytes=MAX_METADATA_BYTES,
+                               verify=verify, checksum=checksum)
+    try:
+        return decode_metadata(data)
+    except UnsafePathError as e:
+        raise UnsafeCheckpointError(f"step {step}: {name}: {e}", step=step) from e
+    except ManifestError as e:
+        raise CorruptCheckpointError(f"step {step}: {name}: {e}", step=step, path=name) from e
+
+
 class CkptStorageReader(StorageReader):
-    """Reads one committed step for one rank."""
+    """DCP's ``StorageReader`` for checkpoints in ckptmgr's byte format: reads straight into
+    the destination tensors, verifies every checksum, and never unpickles unless ``trusted``.
+
+    Two ways to make one:
+
+    - ``CkptStorageReader(url)``: a standalone reader for plain ``torch.distributed.checkpoint``
+      (``dcp.load(state_dict, storage_reader=CkptStorageReader(url))``, any planner, any number
+      of ranks, resharding; DCP's ``checkpoint_id`` argument sets or changes the URL). ``url``
+      is one checkpoint's directory: what ``CkptStorageWriter(url)`` wrote, or a committed step
+      of a ckptmgr root (``<root>/<step>``).
+    - :meth:`for_step`: one committed step whose manifest and metadata the manager read and
+      validated already.
+    """
 
     listed: dict[str, int] | None = None
     """The step directory's file sizes as the coordinator listed them for every rank (set by the
     caller); None: this rank lists the step itself before reading."""
 
-    def __init__(self, storage: Storage, step_dir: str, manifest: Manifest, metadata: Metadata,
-                 *, verify: bool = True, trusted: bool = False,
-                 num_threads: int | None = None) -> None:
+    storage: Storage
+    manifest: Manifest
+    metadata: Metadata
+
+    def __init__(self, url: str | os.PathLike[str] | None = None,
+                 storage_options: Mapping[str, Any] | None = None,
+                 trusted: bool = False) -> None:
         """
+        Args:
+            url: the checkpoint directory; None: set by DCP's ``checkpoint_id`` (``reset``).
+            storage_options: fsspec options for ``url`` (endpoint, credentials, ...).
+            trusted: load values that were stored with pickle (which runs code from the
+                checkpoint: only for checkpoints you trust).
+
+        Raises:
+            ConfigError: a bad argument, or a URL :func:`~ckptmgr.storage.open_storage` refuses.
+            BackendNotInstalledError: the URL's fsspec backend is not installed.
+        """
+        super().__init__()
+        self.trusted = check_flag("trusted", trusted)
+        self._url = check_url(url, "url")
+        self._options = check_options(storage_options, "storage_options")
+        self._standalone = True
+        self._loaded = False
+        self.step_dir = ""
+        self.verify = True
+        self.num_threads = DEFAULT_NUM_THREADS
+        self.bytes_read = 0
+        if self._url is not None:
+            self.storage = open_storage(self._url, self._options, writable=False)
+
+    @classmethod
+    def for_step(cls, storage: Storage, step_dir: str, manifest: Manifest, metadata: Metadata,
+                 *, verify: bool = True, trusted: bool = False,
+                 num_threads: int | None = None) -> CkptStorageReader:
+        """A reader of one committed step the caller read and validated already (the manager).
+
         Args:
             storage: where the step is.
             step_dir: the step's directory under the storage root.
@@ -112,20 +194,91 @@ class CkptStorageReader(StorageReader):
             trusted: allow values stored with pickle.
             num_threads: read streams per rank; None: :data:`DEFAULT_NUM_THREADS`.
         """
-        super().__init__()
-        self.num_threads = max(1, num_threads or DEFAULT_NUM_THREADS)
-        self.storage = storage
-        self.step_dir = step_dir
+        reader = cls(trusted=trusted)
+        reader._standalone = False
+        reader._loaded = True
+        reader.num_threads = max(1, num_threads or DEFAULT_NUM_THREADS)
+        reader.storage = storage
+        reader.step_dir = step_dir
+        reader.manifest = manifest
+        reader.metadata = metadata
+        reader.verify = verify
+        return reader
+
+    @property
+    def url(self) -> str | None:
+        """The checkpoint directory's URL, credentials redacted (None until one is set)."""
+        if self._url is not None:
+            return redact_url(self._url)
+        storage = self.__dict__.get("storage")
+        return None if storage is None else f"{storage.url}/{self.step_dir}".rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"CkptStorageReader({self.url!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if self._standalone:
+            state.pop("storage", None)  # opened again where it is unpickled, and read again
+            state["_loaded"] = False
+        return state
+
+    def _storage(self) -> Storage:
+        storage: Storage | None = self.__dict__.get("storage")
+        if storage is None:
+            if self._url is None:
+                raise ConfigError(
+                    "CkptStorageReader has no URL: pass one (CkptStorageReader(url)) or give "
+                    "dcp.load a checkpoint_id")
+            storage = self.storage = open_storage(self._url, self._options, writable=False)
+        return storage
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """(all ranks) A new load begins; ``checkpoint_id`` (DCP's argument) replaces the URL.
+
+        Raises:
+            ConfigError: a bad ``checkpoint_id``, or one given to a :meth:`for_step` reader.
+        """
+        self.bytes_read = 0
+        if checkpoint_id is not None:
+            if not self._standalone:
+                raise ConfigError("a CkptStorageReader made by for_step reads its own step; it "
+                                  "takes no checkpoint_id")
+            url = check_url(checkpoint_id, "checkpoint_id")
+            if url != self._url:
+                self._url = url
+                self.__dict__.pop("storage", None)
+            self._storage()
+        if self._standalone:
+            self._loaded = False
+
+    # DCP falls back to per-rank metadata, read_metadata(rank=...), when a reader's signature has
+    # a parameter named "kwargs" and the first read failed: ours has none, so its error stands.
+    def read_metadata(self, *args: Any, **options: Any) -> Metadata:
+        """(all ranks) The checkpoint's DCP metadata.
+
+        Standalone: the manifest is read (size-bounded, validated), then the JSON metadata it
+        names (size and checksum checked against the manifest); on every call, since DCP calls
+        it once per load and a reader may be used for several (the directory may have been
+        saved to again in between).
+
+        Raises:
+            CheckpointNotFoundError: no committed checkpoint at the URL (the message says what is
+                there instead: a plain-DCP checkpoint, a ckptmgr root, nothing).
+            CorruptCheckpointError, UnsafeCheckpointError: a damaged or unsafe manifest or
+                metadata.
+            RestoreError: a checkpoint written on a host of the other byte order.
+        """
+        if not self._standalone:
+            return self.metadata
+        store = StepStore(self._storage())
+        manifest, _ = store.read_dir_manifest("")
+        if manifest.byteorder != sys.byteorder:
+            raise RestoreError(f"{self.url} was written on a {manifest.byteorder}-endian host; "
+                               f"this host is {sys.byteorder}-endian", step=manifest.step)
+        self.metadata = read_metadata_file(store, "", manifest, verify=self.verify)
         self.manifest = manifest
-        self.metadata = metadata
-        self.verify = verify
-        self.trusted = trusted
-        self.bytes_read = 0
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        self.bytes_read = 0
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self._loaded = True
         return self.metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
@@ -139,8 +292,9 @@ class CkptStorageReader(StorageReader):
         return plans
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a path or URL this reader can open (no I/O)."""
+        return is_url_supported(checkpoint_id)
 
     def _corrupt(self, msg: str, path: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -178,6 +332,9 @@ class CkptStorageReader(StorageReader):
         self.bytes_read += len(buf)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """(all ranks) Read this rank's items (module docstring)."""
+        if not self._loaded:
+            self.read_metadata()
         groups: dict[MetadataIndex, list[ReadItem]] = defaultdict(list)
         for ri in plan.items:
             groups[ri.storage_index].append(ri)
@@ -333,22 +490,32 @@ class CkptStorageReader(StorageReader):
     def _read_value(self, loc: ItemLocation, items: list[ReadItem], planner: LoadPlanner) -> None:
         fqn = items[0].storage_index.fqn
         if loc.enc == "pickle" and not self.trusted:
+            where = "CkptStorageReader(..., trusted=True)" if self._standalone else "trusted=True"
             raise UnsafeCheckpointError(
-                f"{fqn!r} was stored with pickle; pass trusted=True to restore it only if you "
+                f"{fqn!r} was stored with pickle; pass {where} to restore it only if you "
                 "trust who wrote this checkpoint", step=self.manifest.step)
         buf = bytearray(loc.length)
         self._read(loc, memoryview(buf))
         self._verify(loc, memoryview(buf), fqn)
-        value: Any
+        value: Any = None
         if loc.enc == "json":
             try:
                 value = decode_value(bytes(buf))
             except ValueError as e:
                 raise self._corrupt(f"value of {fqn!r} does not decode: {e}", loc.file) from e
-        else:
+        elif isinstance(planner, CkptLoadPlanner):
             value = torch.load(io.BytesIO(buf), weights_only=False)
-        for ri in items:
-            if isinstance(planner, CkptLoadPlanner):
+        if isinstance(planner, CkptLoadPlanner):
+            for ri in items:
                 planner.load_value(ri, value)
-            else:
-                raise UnsafeCheckpointError("CkptStorageReader needs a CkptLoadPlanner")
+            return
+        # Another planner (DCP's default) loads values from torch.save bytes: made here from the
+        # decoded JSON value (so what it unpickles is ours), or the stored pickle when trusted.
+        if loc.enc == "json":
+            out = io.BytesIO()
+            torch.save(value, out)
+            data = out.getvalue()
+        else:
+            data = bytes(buf)
+        for ri in items:
+            planner.load_bytes(ri, io.BytesIO(data))

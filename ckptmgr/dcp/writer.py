@@ -2,8 +2,12 @@
 commit protocol of DESIGN.md section 5.
 
 Call order (DCP's, per save):
-1) (all ranks) ``set_up_storage_writer``, ``prepare_local_plan``
-2) (coordinator) ``prepare_global_plan``
+1) (all ranks) ``reset`` (DCP's ``checkpoint_id``: the standalone writer's URL),
+   ``set_up_storage_writer``, ``prepare_local_plan``
+2) (coordinator) ``prepare_global_plan``: the standalone writer (``CkptStorageWriter(url)``)
+   decides the attempt here, from what the directory holds now (:meth:`StepStore.begin_dir_save`),
+   and puts it in every rank's plan; a manager's writer (:meth:`CkptStorageWriter.for_attempt`)
+   was given it.
 3) (all ranks) ``write_data``: split this rank's items into ``num_threads`` runs of about equal
    bytes (one stream each, only when every stream gets at least 256 MiB), and write each run to
    ``data-<attempt>-r<rank>-<index>.bin`` in the write directory: Python values are encoded first
@@ -13,8 +17,10 @@ Call order (DCP's, per save):
    xxh3-64 checksum, computed in that same pass. The files are fsynced; locations go in the results.
 4) (coordinator, after every rank's ``write_data`` returned) ``finish``: write the metadata JSON,
    then the manifest, then make it visible: rename the staging directory into place (POSIX), or
-   write the manifest object last (object stores, overwrite). Until that last step nothing of the
-   new attempt is visible to ``all_steps`` or ``restore``.
+   write the manifest object last (object stores, overwrite, and always for the standalone
+   writer, which writes in place). Until that last step nothing of the new attempt is visible to
+   ``all_steps``, ``restore`` or a reader. The standalone writer then removes the files of the
+   attempts it replaced (our exact file names only), or, after a failed commit, its own.
 
 CPU share: by default one stream per rank, so a background save uses at most one core for its
 checksums and copies (the local storage writes with direct I/O from a second, mostly sleeping
@@ -26,8 +32,10 @@ thread is never reniced.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -41,15 +49,17 @@ from torch.futures import Future
 
 from ckptmgr._values import MAX_VALUE_BYTES, NotRepresentableError, encode_value
 from ckptmgr._version import __version__
+from ckptmgr.config import check_flag
+from ckptmgr.dcp._args import check_options, check_url
 from ckptmgr.dcp._bytes import Hasher, checksum, lower_thread_priority, tensor_memoryview
 from ckptmgr.dcp._metadata_json import ItemLocation, encode_metadata
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
 from ckptmgr.dcp.planner import item_bytes
-from ckptmgr.errors import ConfigError, UnsafeCheckpointError
-from ckptmgr.layout import data_file_name, join, metadata_file_name
+from ckptmgr.errors import ConfigError, SaveError, UnsafeCheckpointError
+from ckptmgr.layout import data_file_name, join, metadata_file_name, parse_step_name
 from ckptmgr.manifest import FileEntry, Manifest, utc_now_iso
 from ckptmgr.step_store import CommitPlan, StepStore
-from ckptmgr.storage import Storage, VectoredWriter
+from ckptmgr.storage import Storage, VectoredWriter, is_url_supported, open_storage, redact_url
 
 __all__ = ["DEFAULT_IO_NICE", "DEFAULT_NUM_THREADS", "CkptStorageWriter", "CommitPlan"]
 
@@ -76,13 +86,85 @@ def _item_size(item: WriteItem, encoded: Mapping[MetadataIndex, tuple[bytes, str
     return item_bytes(item)  # the chunk's bytes, not the whole tensor's
 
 
-class CkptStorageWriter(StorageWriter):
-    """Writes one save attempt of one rank; the coordinator's instance also commits it."""
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """What the coordinator puts in each rank's plan (``SavePlan.storage_data``): the attempt
+    to write and the rank's index in it."""
 
-    def __init__(self, storage: Storage, plan: CommitPlan, rank: int, *,
-                 trusted: bool = False, num_threads: int | None = None,
-                 io_nice: int | None = None, fence: Callable[[], None] | None = None) -> None:
+    plan: CommitPlan
+    rank: int
+
+
+def _dir_step(url: str) -> int:
+    """The step a checkpoint directory's name stands for (``.../run/7`` -> 7), else 0: a
+    directory named like a step of a ckptmgr root gets a manifest that root can list."""
+    step = parse_step_name(url.rstrip("/").rsplit("/", 1)[-1])
+    return 0 if step is None else step
+
+
+class CkptStorageWriter(StorageWriter):
+    """DCP's ``StorageWriter`` for ckptmgr's byte format: raw tensor bytes, JSON metadata,
+    checksums, and the commit protocol (data, then metadata, then the manifest).
+
+    Two ways to make one:
+
+    - ``CkptStorageWriter(url)``: a standalone writer for plain ``torch.distributed.checkpoint``
+      (``dcp.save(state_dict, storage_writer=CkptStorageWriter(url))``, any planner, any number
+      of ranks; DCP's ``checkpoint_id`` argument sets or changes the URL). ``url`` is one
+      checkpoint's directory (local path, ``file://``, ``memory://``, ``gs://``, ``s3://``, any
+      fsspec URL). The coordinator decides the save's attempt in ``prepare_global_plan`` and
+      hands it to every rank in its plan. A directory already holding a checkpoint written
+      this way is overwritten atomically (the new manifest replaces the old one, whose files are
+      removed after); one holding a plain-DCP checkpoint (``.metadata``) is refused; other files
+      in it are left alone.
+    - :meth:`for_attempt`: one attempt of a manager's step (the manager decided it already).
+
+    Python values are stored as tagged JSON (the save planner's ``lookup_object`` gives the
+    object); one that needs pickle is refused with
+    :class:`~ckptmgr.errors.UnsafeCheckpointError` unless ``trusted``. The standalone writer
+    counts ``bytes`` and ``io.BytesIO`` entries among those: plain DCP stores them with pickle,
+    and a blob in a state dict is usually a serialized object itself.
+    """
+
+    def __init__(self, url: str | os.PathLike[str] | None = None,
+                 storage_options: Mapping[str, Any] | None = None,
+                 trusted: bool = False) -> None:
         """
+        Args:
+            url: the checkpoint directory; None: set by DCP's ``checkpoint_id`` (``reset``).
+            storage_options: fsspec options for ``url`` (endpoint, credentials, ...).
+            trusted: store values that need pickle (then reading them needs ``trusted`` too).
+
+        Raises:
+            ConfigError: a bad argument, or a URL :func:`~ckptmgr.storage.open_storage` refuses
+                (no I/O that changes storage happens here).
+            BackendNotInstalledError: the URL's fsspec backend is not installed.
+        """
+        super().__init__()
+        self.trusted = check_flag("trusted", trusted)
+        self._url = check_url(url, "url")
+        self._options = check_options(storage_options, "storage_options")
+        self._standalone = True
+        self.storage: Storage | None = None
+        self.plan: CommitPlan | None = None
+        self.rank = 0
+        self.num_threads = DEFAULT_NUM_THREADS
+        self.io_nice = DEFAULT_IO_NICE
+        self.fence: Callable[[], None] | None = None
+        self.is_coordinator = False
+        self.manifest: Manifest | None = None
+        self.bytes_written = 0
+        if self._url is not None:
+            self.storage = open_storage(self._url, self._options)
+
+    @classmethod
+    def for_attempt(cls, storage: Storage, plan: CommitPlan, rank: int, *,
+                    trusted: bool = False, num_threads: int | None = None,
+                    io_nice: int | None = None,
+                    fence: Callable[[], None] | None = None) -> CkptStorageWriter:
+        """A writer of one save attempt the caller planned already (the manager, the tools):
+        every rank writes ``plan``'s files, the coordinator's instance also commits it.
+
         Args:
             storage: where the step is written.
             plan: the coordinator's decision for this attempt (same on every rank).
@@ -95,45 +177,113 @@ class CkptStorageWriter(StorageWriter):
             fence: called by the coordinator right before the step becomes visible; raises
                 to stop the commit (a writer that lost the root's lease).
         """
-        super().__init__()
-        self.storage = storage
-        self.plan = plan
-        self.rank = rank
-        self.trusted = trusted
-        self.num_threads = max(1, num_threads or DEFAULT_NUM_THREADS)
-        self.io_nice = DEFAULT_IO_NICE if io_nice is None else io_nice
-        self.fence = fence
-        self.is_coordinator = False
-        self.manifest: Manifest | None = None
-        self.bytes_written = 0
+        writer = cls(trusted=trusted)
+        writer._standalone = False
+        writer.storage = storage
+        writer.plan = plan
+        writer.rank = rank
+        writer.num_threads = max(1, num_threads or DEFAULT_NUM_THREADS)
+        writer.io_nice = DEFAULT_IO_NICE if io_nice is None else io_nice
+        writer.fence = fence
+        return writer
 
-    def reset(self, checkpoint_id: Any = None) -> None:
+    @property
+    def url(self) -> str | None:
+        """The checkpoint directory's URL, credentials redacted (None until one is set)."""
+        if self._url is None:
+            return self.storage.url if self.storage is not None else None
+        return redact_url(self._url)
+
+    def __repr__(self) -> str:
+        return f"CkptStorageWriter({self.url!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # DCP's process-based async save pickles the writer: the storage is opened again there.
+        state = dict(self.__dict__)
+        if self._standalone:
+            state["storage"] = None
+        return state
+
+    def _storage(self) -> Storage:
+        if self.storage is None:
+            if self._url is None:
+                raise ConfigError(
+                    "CkptStorageWriter has no URL: pass one (CkptStorageWriter(url)) or give "
+                    "dcp.save a checkpoint_id")
+            self.storage = open_storage(self._url, self._options)
+        return self.storage
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """(all ranks) A new save begins; ``checkpoint_id`` (DCP's argument) replaces the URL.
+
+        Raises:
+            ConfigError: a bad ``checkpoint_id``, or one given to a :meth:`for_attempt` writer.
+        """
         self.manifest = None
+        if checkpoint_id is not None:
+            if not self._standalone:
+                raise ConfigError("a CkptStorageWriter made by for_attempt writes its own "
+                                  "attempt; it takes no checkpoint_id")
+            url = check_url(checkpoint_id, "checkpoint_id")
+            if url != self._url:
+                self._url, self.storage = url, None
+            self._storage()
+        if self._standalone:
+            self.plan = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """(all ranks) Called by DCP before planning."""
         self.is_coordinator = is_coordinator
+        if self._standalone:
+            if kwargs.get("use_collectives", True) is False:
+                raise ConfigError("CkptStorageWriter needs DCP's collectives (the coordinator "
+                                  "hands every rank its attempt); use_collectives=False is not "
+                                  "supported")
+            self._storage()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        """(coordinator) Standalone: decide this save's attempt (from what the directory holds
+        now) and put it in every rank's plan."""
+        if not self._standalone:
+            return plans
+        assert self._url is not None, "set_up_storage_writer checked the URL"
+        plan = StepStore(self._storage()).begin_dir_save(
+            "", step=_dir_step(self._url), world_size=len(plans))
+        self.plan = plan
+        return [dataclasses.replace(p, storage_data=_Target(plan, rank))
+                for rank, p in enumerate(plans)]
 
     def storage_meta(self) -> StorageMeta | None:
+        if self._standalone:
+            return StorageMeta(checkpoint_id=self.url, save_id=None)
+        assert self.plan is not None, "a for_attempt writer has its plan"
         return StorageMeta(checkpoint_id=None, save_id=self.plan.attempt)
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return False
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` is a path or URL this writer can open (no I/O)."""
+        return is_url_supported(checkpoint_id)
 
     def _encode_object(self, fqn: str, obj: Any) -> tuple[bytes, str]:
+        # The standalone writer keeps plain DCP's view of blobs: bytes need pickle.
+        allow_bytes = not self._standalone
         try:
-            data, enc = encode_value(obj), "json"
+            data, enc = encode_value(obj, allow_bytes=allow_bytes), "json"
         except NotRepresentableError as e:
             if not self.trusted:
+                if isinstance(obj, (bytes, bytearray, memoryview, io.BytesIO)):
+                    why = (f"{fqn!r} holds {type(obj).__name__} data, which DCP stores with "
+                           "pickle")
+                else:
+                    why = f"{fqn!r} holds {type(obj).__name__}, which needs pickle: {e}"
+                how = ("CkptStorageWriter(..., trusted=True) (and read it with a trusted "
+                       "CkptStorageReader)" if self._standalone
+                       else "trusted=True to save (and to restore)")
                 raise UnsafeCheckpointError(
-                    f"{fqn!r} holds {type(obj).__name__}, which needs pickle: {e}; store plain "
-                    "values or tensors, or pass trusted=True to save (and to restore)") from e
+                    f"{why}; store plain values or tensors, or pass {how}") from e
             buf = io.BytesIO()
             torch.save(obj, buf)
             data, enc = buf.getvalue(), "pickle"
@@ -145,16 +295,42 @@ class CkptStorageWriter(StorageWriter):
                 "tensor")
         return data, enc
 
+    def _encode_item(self, item: WriteItem, planner: SavePlanner) -> tuple[bytes, str]:
+        """A Python value's stored bytes: the raw object from the planner's ``lookup_object``
+        (DCP's default planners and ours have it), encoded here; otherwise only the planner's
+        pickle bytes exist, which need ``trusted``."""
+        lookup = getattr(planner, "lookup_object", None)
+        if callable(lookup):
+            return self._encode_object(item.index.fqn, lookup(item.index))
+        if not self.trusted:
+            raise UnsafeCheckpointError(
+                f"{item.index.fqn!r}: the planner {type(planner).__name__} hands Python values "
+                "over only as pickle (it has no lookup_object); pass trusted=True to store them")
+        data = planner.resolve_data(item)
+        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        if len(raw) > MAX_VALUE_BYTES:
+            raise ConfigError(f"state value {item.index.fqn!r} takes {len(raw)} bytes stored, "
+                              f"more than the {MAX_VALUE_BYTES} a Python value may")
+        return raw, "pickle"
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """(all ranks) Write this rank's items into the attempt's data files (Python values are
+        encoded first, so an unsafe one fails before any byte is written)."""
         fut: Future[list[WriteResult]] = Future()
+        if self._standalone:
+            target = plan.storage_data
+            if not isinstance(target, _Target):
+                raise SaveError(
+                    "CkptStorageWriter got a plan without the coordinator's attempt: a planner "
+                    "or storage wrapper replaced the plan's storage_data")
+            self.plan, self.rank = target.plan, target.rank
         if not plan.items:
             fut.set_result([])
             return fut
         encoded: dict[MetadataIndex, tuple[bytes, str]] = {}
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
-                obj = planner.lookup_object(item.index)  # type: ignore[attr-defined]
-                encoded[item.index] = self._encode_object(item.index.fqn, obj)
+                encoded[item.index] = self._encode_item(item, planner)
         items = list(plan.items)
         sizes = [_item_size(i, encoded) for i in items]
         starts = split_runs(sizes, self.num_threads, _MIN_STREAM_BYTES)
@@ -181,7 +357,15 @@ class CkptStorageWriter(StorageWriter):
                       stop: threading.Event) -> tuple[list[WriteResult], FileEntry]:
         """Write ``items`` (about ``nbytes``) in order to data file ``index``; returns their
         results and the file."""
+        assert self.plan is not None and self.storage is not None, "write_data set the attempt"
         name = data_file_name(self.plan.attempt, self.rank, index)
+        if self._standalone and self.storage.exists(join(self.plan.write_dir, name)):
+            # An earlier save's plan (a planner caching plans hands its cached one back):
+            # writing would truncate the committed checkpoint's own file.
+            raise SaveError(
+                f"{name} exists already: this rank was handed an earlier save's plan (planners "
+                "that cache plans across saves, DCP's enable_plan_caching, are not supported by "
+                "CkptStorageWriter); nothing was written")
         writer = self.storage.open_writer(join(self.plan.write_dir, name), size_hint=nbytes)
         writev = writer.writev if isinstance(writer, VectoredWriter) else None
         file_hash = Hasher()
@@ -249,8 +433,24 @@ class CkptStorageWriter(StorageWriter):
         return results, FileEntry(name, pos, file_hash.value())
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """(coordinator) Write metadata and manifest, then make the step visible."""
+        """(coordinator, after every rank's ``write_data`` returned) Write metadata and
+        manifest, then make the step visible. Standalone: a failure removes the attempt's files;
+        after the commit, the files of the attempts it replaced are removed."""
+        if not self._standalone:
+            self._commit(metadata, results)
+            return
+        assert self.plan is not None and self.storage is not None, "prepare_global_plan ran"
+        store = StepStore(self.storage)
+        try:
+            self._commit(metadata, results)
+        except BaseException:
+            store.discard(self.plan)
+            raise
+        store.remove_replaced_attempts(self.plan, exact_names=True)
+
+    def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         p = self.plan
+        assert p is not None and self.storage is not None, "the attempt is planned"
         locations: dict[MetadataIndex, ItemLocation] = {}
         files: list[FileEntry] = []
         bytes_per_rank: dict[int, int] = {r: 0 for r in range(p.world_size)}
@@ -258,6 +458,11 @@ class CkptStorageWriter(StorageWriter):
             for wr in rank_results:
                 if wr.index.fqn.startswith(_FILE_MARK):
                     rank, entry = wr.storage_data
+                    if not entry.path.startswith(f"data-{p.attempt}-"):
+                        # A rank wrote another attempt's files (a stale plan): committing would
+                        # name files that removing replaced attempts then deletes.
+                        raise SaveError(f"rank {rank} wrote {entry.path}, not a file of attempt "
+                                        f"{p.attempt}; nothing was committed", step=p.step)
                     files.append(entry)
                     bytes_per_rank[rank] = bytes_per_rank.get(rank, 0) + entry.size
                 else:

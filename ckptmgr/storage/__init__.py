@@ -40,6 +40,7 @@ __all__ = [
     "StorageWriter",
     "VectoredWriter",
     "is_not_found",
+    "is_url_supported",
     "open_storage",
     "redact_url",
     "retry_budget",
@@ -102,6 +103,25 @@ def _check_local_writable(root: str, shown: str) -> None:
     where = "" if probe == os.path.abspath(root) else f" ({probe}, where it would be created)"
     raise ConfigError(f"checkpoint root {shown!r} cannot be written{where}: {reason}; pass a "
                       "writable path, or open it as a reader")
+
+
+def is_url_supported(url: Any) -> bool:
+    """Whether ``url`` names a place :func:`open_storage` can open: a non-empty local path,
+    ``file://``, or a URL whose scheme fsspec knows (its backend may still be missing). No I/O;
+    never raises (for DCP's ``validate_checkpoint_id``)."""
+    if isinstance(url, os.PathLike):
+        try:
+            url = os.fspath(url)
+        except TypeError:
+            return False
+    if not isinstance(url, str) or not url.strip() or "\x00" in url:
+        return False
+    scheme, rest = split_scheme(url)
+    if scheme in (None, "file", "local"):
+        return bool(rest)
+    import fsspec
+
+    return scheme in fsspec.available_protocols() or scheme in fsspec.registry
 
 
 def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *,

@@ -144,7 +144,7 @@ def import_dcp(src: str | os.PathLike[str], dst_url: str, step: int, *, trusted:
         plan = store.begin_save(step, forced=True, overwrite=False, world_size=1,
                                 metrics=metrics_d, metadata=meta_d)
         assert plan is not None, "a forced save is planned or refused, never skipped"
-        writer = CkptStorageWriter(storage, plan, 0, trusted=True, fence=lease.check)
+        writer = CkptStorageWriter.for_attempt(storage, plan, 0, trusted=True, fence=lease.check)
         try:
             with _phase(progress, total, "import") as p:
                 planner = LazyImportPlanner(reader, sources, metas, batch_bytes=_IMPORT_BATCH,
