@@ -157,6 +157,9 @@ def test_ls(ckpt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
                                 "NOTE"]
     assert lines[1].split()[:2] == ["10", "committed"] and "loss=0.1" in lines[1]
     assert lines[4].split()[:2] == ["40", "incomplete"]
+    code, out, err = run(capsys, "ls", str(tmp_path / "empty"))  # no such directory: an error
+    assert code == 1 and out == "" and "does not exist" in err
+    (tmp_path / "empty").mkdir()
     code, out, err = run(capsys, "ls", str(tmp_path / "empty"))
     assert code == 0 and out == "" and "no checkpoints" in err
     code, out, _ = run(capsys, "--json", "ls", str(tmp_path / "empty"))  # option before command
@@ -232,7 +235,7 @@ def test_export(ckpt: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     loaded = safetensors_torch.load_file(out_st)
     assert torch.equal(loaded["fc.weight"], model_state(30)["model"]["fc.weight"].bfloat16())
     code, _, err = run(capsys, "export", ckpt, "10", str(tmp_path / "x.npz"))
-    assert code == 1 and "must end in .safetensors" in err
+    assert code == 1 and "accepted are .safetensors" in err
     code, _, err = run(capsys, "export", ckpt, "10", str(tmp_path / "x.pt"), "--only", "opt")
     assert code == 1 and "no tensors under prefix 'opt'" in err
 

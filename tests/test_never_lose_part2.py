@@ -21,7 +21,7 @@ from _holder import Holder, restored_version, state, wait_for_file
 
 import ckptmgr.manager
 from ckptmgr import CheckpointExistsError, CheckpointManager
-from ckptmgr.errors import LeaseError
+from ckptmgr.errors import CorruptCheckpointError, LeaseError, RestoreError
 from ckptmgr.layout import MANIFEST_NAME
 from ckptmgr.storage import Storage
 
@@ -209,13 +209,24 @@ def test_reader_during_overwrites_gets_old_or_new_never_corrupt(local_root: str,
         with CheckpointManager(local_root, save_interval=1, read_only=True) as reader:
             a.send("save_loop", 5, stop)
             wait_for_file(stop + ".started")  # step 5 has been overwritten at least once
-            seen = [restored_version(reader, 5) for _ in range(30)]
+            seen: list[int] = []
+            retryable = 0
+            for _ in range(30):
+                try:
+                    seen.append(restored_version(reader, 5))
+                except RestoreError as e:
+                    # Honest and retryable, never "damaged": overwritten on every one of the
+                    # reader's tries (the writer is in a tight loop, the machine may be loaded).
+                    assert not isinstance(e, CorruptCheckpointError), e
+                    assert "was overwritten" in str(e) and "not damaged" in str(e), e
+                    retryable += 1
             open(stop, "w").close()
             status, saves = a.answer()
             assert status == "ok", saves
         assert saves >= 2
         assert seen == sorted(seen) and seen[-1] <= saves + 1, seen  # never older than before
         assert len(set(seen)) > 1, seen  # the restores did overlap overwrites
+        assert retryable < len(seen), (retryable, seen)
     finally:
         a.stop()
 
