@@ -21,7 +21,7 @@ import logging
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -65,6 +65,7 @@ __all__ = [
     "prepare_restore",
     "prepare_save",
     "read_restore_source",
+    "raise_load_failure",
     "read_step_metadata",
     "write_step",
 ]
@@ -72,6 +73,19 @@ __all__ = [
 log = logging.getLogger("ckptmgr")
 
 PLANNERS = ("auto", "dcp", "xla_spmd")
+
+
+def raise_load_failure(e: CheckpointException, *, rank: int, world_size: int, step: int,
+                       what: str) -> NoReturn:
+    """Raise the error of a failed DCP load: the first failing rank's own CkptmgrError (named
+    with its rank on the other ranks), else a RestoreError wrapping it."""
+    failed_rank, exc, _ = first_failure(e)
+    if isinstance(exc, CkptmgrError):
+        if world_size > 1 and failed_rank != rank and exc.args:
+            exc.args = (f"[rank {failed_rank}] {exc.args[0]}", *exc.args[1:])
+        raise exc from None
+    raise RestoreError(f"{what} failed on rank {failed_rank}: {type(exc).__name__}: {exc}",
+                       step=step) from exc
 
 
 def first_failure(e: CheckpointException) -> tuple[int, BaseException, dict[int, BaseException]]:
@@ -349,13 +363,8 @@ def load_step(prepared: PreparedRestore, store: StepStore, step: int, *, rank: i
         with retry_budget():
             dcp_load(flat, reader, planner, group)
     except CheckpointException as e:
-        failed_rank, exc, _ = first_failure(e)
-        if isinstance(exc, CkptmgrError):
-            if world_size > 1 and failed_rank != rank and exc.args:
-                exc.args = (f"[rank {failed_rank}] {exc.args[0]}", *exc.args[1:])
-            raise exc from None
-        raise RestoreError(f"restore of step {step} failed on rank {failed_rank}: "
-                           f"{type(exc).__name__}: {exc}", step=step) from exc
+        raise_load_failure(e, rank=rank, world_size=world_size, step=step,
+                           what=f"restore of step {step}")
     except Exception as e:  # a collective failed (a rank died) or timed out
         if arrivals is None or isinstance(e, CkptmgrError):
             raise

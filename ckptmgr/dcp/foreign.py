@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptmgr.dcp._compat import dcp_load, fsspec_reader
-from ckptmgr.dcp.checkpoint import first_failure
+from ckptmgr.dcp.checkpoint import raise_load_failure
 from ckptmgr.dcp.importer import nest_items
 from ckptmgr.dcp.optim import prime_optimizer
 from ckptmgr.dcp.planner import CkptLoadPlanner
@@ -44,7 +44,6 @@ from ckptmgr.dcp.spmd import SpmdLoadPlanner, has_sharded
 from ckptmgr.dcp.state import FlatState, flatten_state
 from ckptmgr.dcp.xla import wrap_xla_tensors
 from ckptmgr.errors import (
-    CkptmgrError,
     CorruptCheckpointError,
     RestoreError,
     StateMismatchError,
@@ -262,13 +261,8 @@ def load_foreign(prepared: PreparedForeignRestore, *, rank: int, world_size: int
         if isinstance(planner, SpmdLoadPlanner):
             planner.write_back()
     except CheckpointException as e:
-        failed_rank, exc, _ = first_failure(e)
-        if isinstance(exc, CkptmgrError):
-            if world_size > 1 and failed_rank != rank and exc.args:
-                exc.args = (f"[rank {failed_rank}] {exc.args[0]}", *exc.args[1:])
-            raise exc from None
-        raise RestoreError(f"restore of plain-DCP step {step} ({prepared.url}) failed on rank "
-                           f"{failed_rank}: {type(exc).__name__}: {exc}", step=step) from exc
+        raise_load_failure(e, rank=rank, world_size=world_size, step=step,
+                           what=f"restore of plain-DCP step {step} ({prepared.url})")
     except Exception as e:  # e.g. torch_xla refusing a shard: not a raw backend error
         raise RestoreError(f"restore of plain-DCP step {step} ({prepared.url}) failed: "
                            f"{type(e).__name__}: {e}", step=step) from e
