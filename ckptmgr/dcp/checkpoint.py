@@ -35,6 +35,7 @@ from ckptmgr.dcp.optim import prime_optimizer
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
 from ckptmgr.dcp.reader import CkptStorageReader, read_metadata_file
 from ckptmgr.dcp.report import CompatibilityReport, compatibility_report, describe_mesh
+from ckptmgr.dcp.shared_reads import plan_shared_reads, share_reads
 from ckptmgr.dcp.spmd import SpmdLoadPlanner, SpmdSavePlanner, has_sharded
 from ckptmgr.dcp.state import FlatState, flatten_state
 from ckptmgr.dcp.writer import CkptStorageWriter
@@ -352,7 +353,7 @@ def load_step(prepared: PreparedRestore, store: StepStore, step: int, *, rank: i
         The CkptmgrError a rank met (prefixed with its rank), or RestoreError (for a collective
         that failed or timed out: naming the ranks that did not arrive).
     """
-    flat = {k: prepared.state.flat[k] for k in prepared.keys}
+    wanted = {k: prepared.state.flat[k] for k in prepared.keys}
     planner = SpmdLoadPlanner(flatten_state_dict=False) if prepared.spmd else CkptLoadPlanner()
     reader = CkptStorageReader.for_step(store.storage, step_dir_name(step), prepared.manifest,
                                         prepared.metadata, verify=verify, trusted=trusted)
@@ -360,8 +361,13 @@ def load_step(prepared: PreparedRestore, store: StepStore, step: int, *, rank: i
     track(reader, arrivals, {"prepare_local_plan": ("restore", "restore"),
                              "prepare_global_plan": ("", None), "read_data": ("restore", None)})
     try:
+        # Replicated tensors are read by one rank each and broadcast (dcp.shared_reads).
+        owners = {} if prepared.spmd else plan_shared_reads(
+            wanted, prepared.metadata, world_size=world_size, group=group)
+        flat = {k: v for k, v in wanted.items() if owners.get(k, rank) == rank}
         with retry_budget():
             dcp_load(flat, reader, planner, group)
+        share_reads(wanted, owners, group=group)
     except CheckpointException as e:
         raise_load_failure(e, rank=rank, world_size=world_size, step=step,
                            what=f"restore of step {step}")
