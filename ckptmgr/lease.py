@@ -43,8 +43,8 @@ log = logging.getLogger("ckptmgr")
 
 LEASE_NAME = ".ckptmgr-lease.json"
 DEFAULT_TTL_S = 60.0
-"""Seconds a lease lives without renewal (``CKPTMGR_LEASE_TTL_S`` overrides): how long a job
-restarted on another host waits at most for a SIGKILLed holder's lease to expire."""
+"""Seconds a lease lives without renewal (``CKPTMGR_LEASE_TTL_S`` overrides): until then a job
+restarted on another host after a SIGKILL gets LeaseError (naming when it expires)."""
 
 _JOB_VARS = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "JOB_ID", "PBS_JOBID", "LSB_JOBID",
              "KUBERNETES_JOB_NAME", "HOSTNAME")

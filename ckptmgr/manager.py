@@ -359,8 +359,8 @@ class CheckpointManager:
             StateMismatchError: keys missing from the checkpoint (unless ``allow_partial``), shape
                 or dtype mismatches, listed.
             CorruptCheckpointError: a size or checksum mismatch or unreadable metadata.
-            UnsafeCheckpointError: a value needs pickle and not ``trusted`` (a step written by
-                plain DCP always does: its .metadata is pickle), or a path escapes.
+            UnsafeCheckpointError: a value needs pickle and not ``trusted`` (always, for a
+                plain-DCP step), or a path escapes.
         """
         t_call = time.perf_counter()
         self._check_open()
@@ -371,14 +371,14 @@ class CheckpointManager:
         comm, cfg = self._caller, self.config
         comm.arrivals.begin("restore", step, "restore")
         comm.on_coordinator(lambda: self._require_listed(step))  # the view is the same everywhere
-        if self._local is not None and self._local.restore(
-                step, state_dict, comm, allow_partial=allow_partial, trusted=trusted,
-                verify=cfg.verify):
-            return
-        comm.on_coordinator(lambda: self._require_listed(step, durable=True))
-        nbytes = restore_durable(self._store, step, state_dict, comm, foreign=step in
-                                 self._view.foreign, planner=cfg.planner,
-                                 allow_partial=allow_partial, trusted=trusted, verify=cfg.verify)
+        nbytes = None if self._local is None else self._local.restore(  # the local tier first
+            step, state_dict, comm, allow_partial=allow_partial, trusted=trusted, verify=cfg.verify)
+        if nbytes is None:
+            comm.on_coordinator(lambda: self._require_listed(step, durable=True))
+            nbytes = restore_durable(
+                self._store, step, state_dict, comm, foreign=step in self._view.foreign,
+                planner=cfg.planner, allow_partial=allow_partial, trusted=trusted,
+                verify=cfg.verify)
         log_restore(step, self.path, nbytes, time.perf_counter() - t_call)
         self._events.emit("on_restore_end", step, nbytes, time.perf_counter() - t_call)
 
@@ -396,8 +396,7 @@ class CheckpointManager:
         return True
 
     def add_listener(self, listener: Any) -> None:
-        """Call ``listener``'s ``on_save_start``/``on_save_end``/``on_restore_end`` on this rank
-        (:mod:`ckptmgr.events`); one that raises is logged, never fails a save."""
+        """Call ``listener``'s on_save_start/on_save_end/on_restore_end (ckptmgr.events)."""
         self._events.add(listener)
 
     # ------------------------------------------------------------------------- internals
@@ -561,8 +560,9 @@ class CheckpointManager:
 
     def _after_commit(self, plan: CommitPlan, manifest: Manifest | None) -> _View:
         """(coordinator) The durable tier's retention after a commit (ckptmgr.tiers)."""
-        records, dcp_steps = durable_after_commit(self._store, self._view.records, plan,
-                                                  manifest, self._policy, self._check_lease)
+        records, dcp_steps = durable_after_commit(self._store, self._view.records, plan, manifest,
+                                                  self._policy, self._check_lease,
+                                                  self._view.foreign)
         return _View(records, frozenset(dcp_steps))
 
     def _check_lease(self) -> None:

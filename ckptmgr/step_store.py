@@ -83,12 +83,12 @@ log = logging.getLogger("ckptmgr")
 DCP_METADATA_NAME = ".metadata"
 """The file whose presence makes a directory a plain-DCP checkpoint (DCP's own commit point)."""
 
-_OUR_PREFIXES = ("data-", "metadata-", f"{MANIFEST_NAME}.tmp-")
 
 
 def is_our_file_name(name: str) -> bool:
-    """Whether ``name`` is a file name ckptmgr writes inside a step directory."""
-    return name == MANIFEST_NAME or name.startswith(_OUR_PREFIXES)
+    """Whether ``name`` is exactly a file name ckptmgr writes inside a step directory: the
+    manifest, or a file of one attempt (``data-train.csv`` is not)."""
+    return name == MANIFEST_NAME or is_attempt_file_name(name)
 
 
 # A data or metadata file of one attempt (12 hex digits, then '-' or '.'), or a manifest being
@@ -213,13 +213,19 @@ class StepStore:
             records[s] = StepRecord(step=s, time=m.unix_time, metrics=dict(m.metrics))
         return records
 
+    def _entries(self, dirname: str) -> tuple[dict[str, int], list[str]]:
+        """The files of ``dirname`` and everything else in it (sub-directories, links), which
+        is never ours: ckptmgr writes only files at the top of a step directory."""
+        return self.storage.list_files(dirname), [f"{d}/" for d in self.storage.list_dirs(dirname)]
+
     def is_ours(self, dirname: str) -> bool:
         """Whether every file in ``dirname`` has a name ckptmgr writes (else it is not ours)."""
-        return all(is_our_file_name(n) for n in self.storage.list_files(dirname))
+        return not self.foreign_files(dirname)
 
     def foreign_files(self, dirname: str) -> list[str]:
         """The files in ``dirname`` that ckptmgr did not write, sorted."""
-        return sorted(n for n in self.storage.list_files(dirname) if not is_our_file_name(n))
+        files, others = self._entries(dirname)
+        return sorted([*(n for n in files if not is_our_file_name(n)), *others])
 
     def not_found(self, step: int, available: list[int]) -> CheckpointNotFoundError:
         """The error for an unknown ``step``: IncompleteCheckpointError when its directory exists
@@ -430,9 +436,9 @@ class StepStore:
             self._refuse(step, forced and on_exists == "raise",
                          f"step directory {sdir} in {self.url} is a symbolic link")
             return None
-        files = self.storage.list_files(sdir)
+        files, others = self._entries(sdir)
         committed = MANIFEST_NAME in files
-        foreign = sorted(n for n in files if not is_our_file_name(n))
+        foreign = sorted([*(n for n in files if not is_our_file_name(n)), *others])
         if foreign:
             what = ("a plain-DCP checkpoint (.metadata)" if DCP_METADATA_NAME in foreign
                     else f"files ckptmgr did not write ({', '.join(foreign[:5])})")

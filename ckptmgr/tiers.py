@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -310,31 +310,33 @@ class LocalTier:
     # --------------------------------------------------------------------------- reading
 
     def restore(self, step: int, state_dict: Mapping[str, Any], comm: Comm, *,
-                allow_partial: bool, trusted: bool, verify: bool) -> bool:
-        """(collective) Restore ``step`` from the local tier if every rank can, else nothing.
+                allow_partial: bool, trusted: bool, verify: bool) -> int | None:
+        """(collective) Restore ``step`` from the local tier if every rank can (the bytes read
+        on this rank), else nothing (None).
 
         Every rank first checks, without reading data, that its files are there with their sizes
         and that the target's DTensors have the saved chunks; the ranks agree; only then does each
         read its own files (checksums verified while reading) and the ranks agree again. Returns
-        False (on every rank) when any rank could not: the caller restores the durable tier,
+        None (on every rank) when any rank could not: the caller restores the durable tier,
         which overwrites whatever was read, so the state never mixes the tiers.
         """
         if step not in self.steps:
-            return False
+            return None
         why = self._readable(step, state_dict)
         if not self._agreed(comm, why, step, "before reading"):
-            return False
+            return None
         err: str | None = None
+        nbytes = 0
         try:
             nbytes = self._load(step, state_dict, allow_partial=allow_partial, trusted=trusted,
                                 verify=verify)
-        except CkptmgrError as e:
+        except Exception as e:  # any rank's failure must reach the agreement, not hang it
             err = f"{type(e).__name__}: {e}"
         if not self._agreed(comm, err, step, "while reading"):
-            return False
+            return None
         log.info("restored step %d from the local tier %s (%d bytes read on this rank)", step,
                  self.root, nbytes)
-        return True
+        return nbytes
 
     def _agreed(self, comm: Comm, why: str | None, step: int, when: str) -> bool:
         whys = comm.all_gather(why)
@@ -421,8 +423,9 @@ def _whole(held: list[list[_Held]], world_size: int) -> list[int]:
 
 def durable_after_commit(store: StepStore, records: dict[int, StepRecord], plan: CommitPlan,
                          manifest: Manifest | None, policy: Any,
-                         check_lease: Callable[[], None]) -> tuple[dict[int, StepRecord],
-                                                                   list[int]]:
+                         check_lease: Callable[[], None],
+                         dcp_steps: Iterable[int] = ()) -> tuple[dict[int, StepRecord],
+                                                                 list[int]]:
     """(coordinator) The durable tier after a commit: record it, drop replaced attempts, apply
     retention, remove leftovers of crashed saves. Retention never deletes the step this save
     committed, the newest committed step, or anything ckptmgr did not write.
@@ -448,9 +451,14 @@ def durable_after_commit(store: StepStore, records: dict[int, StepRecord], plan:
             continue
         log.info("retention deleted step %d from %s", s, store.url)
         del records[s]
-    scan = store.scan()
-    store.remove_leftovers(scan, keep_attempt=plan.attempt)
-    return records, scan.dcp_steps
+    try:  # best effort: the step is committed whatever happens here
+        scan = store.scan()
+        store.remove_leftovers(scan, keep_attempt=plan.attempt)
+        return records, scan.dcp_steps
+    except CkptmgrError as e:
+        log.warning("after committing step %d: could not list the root to remove leftovers: %s",
+                    plan.step, e)
+        return records, list(dcp_steps)  # the plain-DCP steps as known before
 
 
 def durable_fits(elapsed_s: float, last: Any, grace_s: float) -> bool:

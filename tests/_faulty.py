@@ -137,6 +137,10 @@ class FaultyStorage:
         self._check("list_files", path)
         return self.inner.list_files(path)
 
+    def list_dirs(self, path: str) -> list[str]:
+        self._check("list_dirs", path)
+        return self.inner.list_dirs(path)
+
     def exists(self, path: str) -> bool:
         self._check("exists", path)
         return self.inner.exists(path)

@@ -244,7 +244,7 @@ def test_uncommitted_step_is_not_listed(local_root: str) -> None:
     with CheckpointManager(local_root, save_interval=1) as mgr:
         mgr.save(1, {"w": torch.ones(1)})
     os.makedirs(os.path.join(local_root, "5"))
-    with open(os.path.join(local_root, "5", "data-x.bin"), "wb") as f:
+    with open(os.path.join(local_root, "5", "data-0123456789ab-r00000-000.bin"), "wb") as f:
         f.write(b"half")
     os.makedirs(os.path.join(local_root, ".tmp-6-0123456789ab"))
     with CheckpointManager(local_root, save_interval=1) as mgr:

@@ -296,3 +296,35 @@ def test_restore_of_a_step_overwritten_midway_reads_the_new_version(
         with CheckpointManager(local_root, save_interval=1, read_only=True) as reader:
             assert restored_version(reader, 5) == 2
         assert fired, "the overwrite never ran inside the restore"
+
+
+def test_user_subdirectories_and_lookalike_names_are_never_leftovers(local_root: str) -> None:
+    # A directory holding only sub-directories (an Orbax-style "7/default/array"), and files whose
+    # names merely start like ours ("data-train.csv"), are not leftovers of a crashed save.
+    planted = ["6/notes/todo.txt", "7/default/array", "8/data-train.csv",
+               "8/metadata-notes.yaml"]
+    for rel in planted:
+        path = os.path.join(local_root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write("mine")
+    with CheckpointManager(local_root, save_interval=1, max_to_keep=1) as mgr:
+        assert mgr.save(1, state(1)) is True
+        assert mgr.save(6, state(6)) is False  # due: skipped, the directory is not ours
+        with pytest.raises(CheckpointExistsError, match="notes/"):
+            mgr.save(6, state(6), force=True)
+        assert mgr.save(9, state(9)) is True
+    for rel in planted:
+        assert os.path.isfile(os.path.join(local_root, rel)), rel
+
+
+def test_retention_keeps_a_user_subdirectory_inside_a_committed_step(local_root: str) -> None:
+    with CheckpointManager(local_root, save_interval=1, max_to_keep=1) as mgr:
+        mgr.save(1, state(1))
+        os.makedirs(os.path.join(local_root, "1", "extra"))
+        with open(os.path.join(local_root, "1", "extra", "keep.txt"), "w") as f:
+            f.write("mine")
+        mgr.save(2, state(2))
+        assert mgr.all_steps() == [2]
+    assert os.path.isfile(os.path.join(local_root, "1", "extra", "keep.txt"))
+    assert not [n for n in os.listdir(os.path.join(local_root, "1")) if n.startswith("data-")]

@@ -68,3 +68,21 @@ def _sharded_and_mismatched(rank: int, world: int, root: str) -> bool:
 def test_tensors_not_shareable_everywhere_are_read_by_each_rank(tmp_path: Any) -> None:
     assert run_ranks(_sharded_and_mismatched, 2, str(tmp_path / "run"), timeout_s=120) == [
         True, True]
+
+
+def _odd_dtypes(rank: int, world: int, root: str) -> bool:
+    import ckptmgr
+
+    # dtypes gloo cannot broadcast as such: shared reads send them as bytes
+    state = {"i16": torch.arange(5, dtype=torch.int16), "u16": torch.arange(3).to(torch.uint16),
+             "f8": torch.ones(4).to(torch.float8_e4m3fn), "b": torch.tensor([True, False])}
+    with ckptmgr.CheckpointManager(root, save_interval=1) as mgr:
+        mgr.save(1, state)
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        mgr.restore(1, target)
+        return all(torch.equal(target[k].view(torch.uint8), state[k].view(torch.uint8))
+                   for k in state)
+
+
+def test_dtypes_gloo_cannot_broadcast_are_shared_as_bytes(tmp_path: Any) -> None:
+    assert run_ranks(_odd_dtypes, 2, str(tmp_path / "run"), timeout_s=120) == [True, True]

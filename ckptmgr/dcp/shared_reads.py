@@ -64,4 +64,6 @@ def share_reads(flat: Mapping[str, Any], owners: Mapping[str, int], *, group: An
     reader into the same tensor on the other ranks, in one agreed order."""
     with torch.no_grad():  # a target may be a parameter that requires grad
         for key in sorted(owners):
-            dist.broadcast(flat[key], src=dist.get_global_rank(group, owners[key]), group=group)
+            # As bytes: gloo cannot broadcast some dtypes (int16, uint16-64, float8 kinds).
+            data = flat[key].reshape(-1).view(torch.uint8)
+            dist.broadcast(data, src=dist.get_global_rank(group, owners[key]), group=group)

@@ -106,6 +106,10 @@ class Storage(Protocol):
     def list_files(self, path: str) -> dict[str, int]:
         """Files directly under directory ``path``: name -> size. Absent directory -> {}."""
 
+    def list_dirs(self, path: str) -> list[str]:
+        """Names of the entries directly under ``path`` that are not regular files
+        (sub-directories, prefixes, links), sorted. Absent directory -> []."""
+
     def exists(self, path: str) -> bool:
         """Whether a file or directory exists at ``path``."""
 

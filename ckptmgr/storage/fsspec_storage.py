@@ -494,6 +494,18 @@ class FsspecStorage:
 
         return self._call("list", "", _scan)
 
+    def list_dirs(self, path: str) -> list[str]:
+        def _ls() -> list[str]:
+            self._invalidate()
+            try:
+                infos = self.fs.ls(self.full(path), detail=True)
+            except FileNotFoundError:
+                return []
+            return sorted(i["name"].rstrip("/").rsplit("/", 1)[-1] for i in infos
+                          if i.get("type") != "file")
+
+        return self._call("list", path, _ls)
+
     def list_files(self, path: str) -> dict[str, int]:
         def _ls() -> dict[str, int]:
             self._invalidate()

@@ -414,6 +414,16 @@ class LocalStorage:
 
         return self._call("list", "", _scan)
 
+    def list_dirs(self, path: str) -> list[str]:
+        def _ls() -> list[str]:
+            d = self.abspath(path)
+            if not os.path.isdir(d):
+                return []
+            with os.scandir(d) as it:
+                return sorted(e.name for e in it if not e.is_file(follow_symlinks=False))
+
+        return self._call("list", path, _ls)
+
     def list_files(self, path: str) -> dict[str, int]:
         def _ls() -> dict[str, int]:
             d = self.abspath(path)
