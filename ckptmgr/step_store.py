@@ -98,8 +98,8 @@ _ATTEMPT_FILE_RE = re.compile(r"(?:data|metadata)-[0-9a-f]{12}[-.].*|"
 
 
 def is_attempt_file_name(name: str) -> bool:
-    """Whether ``name`` is, exactly, the name of a file one save attempt writes (stricter than
-    :func:`is_our_file_name`: ``data-train.csv`` is not)."""
+    """Whether ``name`` is, exactly, the name of a file one save attempt writes (the manifest
+    aside; ``data-train.csv`` is not)."""
     return _ATTEMPT_FILE_RE.fullmatch(name) is not None
 
 
@@ -475,7 +475,7 @@ class StepStore:
         """(coordinator) Plan a save into the checkpoint directory ``dirname`` ("": the storage
         root itself), written in place: the new attempt's files go next to whatever is there,
         and its manifest, written last, is the commit (replacing an older one of ours at once,
-        whose files :meth:`remove_replaced_attempts` then removes with ``exact_names=True``).
+        whose files :meth:`remove_replaced_attempts` then removes).
 
         Unlike :meth:`begin_save` the directory is the caller's: files ckptmgr did not write may
         sit in it and are left alone, but a plain-DCP checkpoint (``.metadata``) is refused, as
@@ -559,18 +559,13 @@ class StepStore:
             log.warning("could not remove files of failed attempt %s of step %d: %s",
                         plan.attempt, plan.step, e)
 
-    def remove_replaced_attempts(self, plan: CommitPlan, *, exact_names: bool = False) -> None:
+    def remove_replaced_attempts(self, plan: CommitPlan) -> None:
         """(coordinator, after a direct commit) Remove our files of other attempts of the step:
-        those an overwrite replaced and those of crashed attempts. Best effort.
-
-        Args:
-            exact_names: remove only names that :func:`is_attempt_file_name` matches exactly
-                (a directory that is the caller's, see :meth:`begin_dir_save`).
-        """
-        ours = is_attempt_file_name if exact_names else is_our_file_name
+        those an overwrite replaced and those of crashed attempts (exact attempt-file names
+        only, so a caller's own files beside them stay). Best effort."""
         try:
             for name in self.storage.list_files(plan.step_dir):
-                if (name != MANIFEST_NAME and plan.attempt not in name and ours(name)):
+                if plan.attempt not in name and is_attempt_file_name(name):
                     self.storage.remove(join(plan.step_dir, name))
         except StorageError as e:
             log.warning("could not remove files replaced by the save of step %d: %s",

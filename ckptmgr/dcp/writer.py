@@ -446,7 +446,7 @@ class CkptStorageWriter(StorageWriter):
         except BaseException:
             store.discard(self.plan)
             raise
-        store.remove_replaced_attempts(self.plan, exact_names=True)
+        store.remove_replaced_attempts(self.plan)
 
     def _commit(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         p = self.plan
