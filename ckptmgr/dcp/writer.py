@@ -61,7 +61,8 @@ from ckptmgr.manifest import FileEntry, Manifest, utc_now_iso
 from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import Storage, VectoredWriter, is_url_supported, open_storage, redact_url
 
-__all__ = ["DEFAULT_IO_NICE", "DEFAULT_NUM_THREADS", "CkptStorageWriter", "CommitPlan"]
+__all__ = ["DEFAULT_IO_NICE", "DEFAULT_NUM_THREADS", "CkptStorageWriter", "CommitPlan",
+           "EncodedValue", "encode_object"]
 
 log = logging.getLogger("ckptmgr")
 _FILE_MARK = "\x00ckptmgr-file:"
@@ -78,6 +79,49 @@ DEFAULT_NUM_THREADS = 1
 """Streams per rank when the caller does not choose: one saturates the local disk measured here."""
 DEFAULT_IO_NICE = 0
 """Nice increment of the stream threads when the caller does not choose."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodedValue:
+    """A Python value already encoded as it is stored (``encoding`` "json" or "pickle"): how the
+    training process hands values to the writer process, which writes the bytes as they are and
+    never decodes (never unpickles) them."""
+
+    data: bytes
+    encoding: str
+
+
+def encode_object(fqn: str, obj: Any, *, trusted: bool, standalone: bool = False
+                  ) -> tuple[bytes, str]:
+    """The stored bytes and encoding of Python value ``obj`` under ``fqn``: JSON when it is
+    representable, else pickle (only when ``trusted``). The standalone writer keeps plain DCP's
+    view of blobs (bytes need pickle).
+
+    Raises:
+        UnsafeCheckpointError: the value needs pickle and not ``trusted``.
+        ConfigError: the encoded value is larger than a Python value may be.
+    """
+    try:
+        data, enc = encode_value(obj, allow_bytes=not standalone), "json"
+    except NotRepresentableError as e:
+        if not trusted:
+            if isinstance(obj, (bytes, bytearray, memoryview, io.BytesIO)):
+                why = f"{fqn!r} holds {type(obj).__name__} data, which DCP stores with pickle"
+            else:
+                why = f"{fqn!r} holds {type(obj).__name__}, which needs pickle: {e}"
+            how = ("CkptStorageWriter(..., trusted=True) (and read it with a trusted "
+                   "CkptStorageReader)" if standalone else "trusted=True to save (and to restore)")
+            raise UnsafeCheckpointError(
+                f"{why}; store plain values or tensors, or pass {how}") from e
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data, enc = buf.getvalue(), "pickle"
+    if len(data) > MAX_VALUE_BYTES:
+        # A restore refuses what claims more (it would allocate first): refuse it now.
+        raise ConfigError(
+            f"state value {fqn!r} ({type(obj).__name__}) takes {len(data)} bytes stored, more "
+            f"than the {MAX_VALUE_BYTES} bytes a Python value may; store large data as a tensor")
+    return data, enc
 
 
 def _item_size(item: WriteItem, encoded: Mapping[MetadataIndex, tuple[bytes, str]]) -> int:
@@ -268,32 +312,10 @@ class CkptStorageWriter(StorageWriter):
         return is_url_supported(checkpoint_id)
 
     def _encode_object(self, fqn: str, obj: Any) -> tuple[bytes, str]:
+        if isinstance(obj, EncodedValue):  # encoded by the training process (writer process)
+            return obj.data, obj.encoding
         # The standalone writer keeps plain DCP's view of blobs: bytes need pickle.
-        allow_bytes = not self._standalone
-        try:
-            data, enc = encode_value(obj, allow_bytes=allow_bytes), "json"
-        except NotRepresentableError as e:
-            if not self.trusted:
-                if isinstance(obj, (bytes, bytearray, memoryview, io.BytesIO)):
-                    why = (f"{fqn!r} holds {type(obj).__name__} data, which DCP stores with "
-                           "pickle")
-                else:
-                    why = f"{fqn!r} holds {type(obj).__name__}, which needs pickle: {e}"
-                how = ("CkptStorageWriter(..., trusted=True) (and read it with a trusted "
-                       "CkptStorageReader)" if self._standalone
-                       else "trusted=True to save (and to restore)")
-                raise UnsafeCheckpointError(
-                    f"{why}; store plain values or tensors, or pass {how}") from e
-            buf = io.BytesIO()
-            torch.save(obj, buf)
-            data, enc = buf.getvalue(), "pickle"
-        if len(data) > MAX_VALUE_BYTES:
-            # A restore refuses what claims more (it would allocate first): refuse it now.
-            raise ConfigError(
-                f"state value {fqn!r} ({type(obj).__name__}) takes {len(data)} bytes stored, more "
-                f"than the {MAX_VALUE_BYTES} bytes a Python value may; store large data as a "
-                "tensor")
-        return data, enc
+        return encode_object(fqn, obj, trusted=self.trusted, standalone=self._standalone)
 
     def _encode_item(self, item: WriteItem, planner: SavePlanner) -> tuple[bytes, str]:
         """A Python value's stored bytes: the raw object from the planner's ``lookup_object``
