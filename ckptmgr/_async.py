@@ -24,7 +24,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from ckptmgr._shm import ArenaSet
 from ckptmgr.dcp.shards import ShardedTensor, StagedDTensor, StagedShards
+from ckptmgr.errors import ConfigError
 
 __all__ = ["SaveQueue", "Stager"]
 
@@ -43,13 +45,21 @@ class Stager:
     for the device's current stream; :meth:`stage` returns after they have landed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, arenas: ArenaSet | None = None) -> None:
+        # Shared staging (the writer process maps it): every buffer lies in one of ``arenas``.
+        self.arenas = arenas
+        self.retired: list[int] = []  # arenas dropped since the writer process last heard
         self._buffers: dict[str, torch.Tensor] = {}
         self._pinned: set[str] = set()
         # Sharded tensors: one buffer per distinct box (replicas are not copied).
         self._shard_buffers: dict[str, dict[Any, torch.Tensor]] = {}
         self._streams: dict[int, Any] = {}  # CUDA device index -> side stream (made once)
         self.last_staged_bytes = 0
+
+    def take_retired(self) -> list[int]:
+        """The arenas dropped since the last call (the writer process unmaps them)."""
+        out, self.retired = self.retired, []
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -61,6 +71,8 @@ class Stager:
     @property
     def pinned_nbytes(self) -> int:
         """Bytes of the staging buffers that are pinned (page-locked) host memory."""
+        if self.arenas is not None:
+            return self.arenas.pinned_nbytes
         return sum(_nbytes(self._buffers[k]) for k in self._pinned)
 
     def release(self) -> None:
@@ -69,6 +81,8 @@ class Stager:
         self._pinned.clear()
         self._shard_buffers.clear()
         self._streams.clear()
+        if self.arenas is not None:
+            self.arenas.close()
 
     def _buffer(self, key: str, src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -78,6 +92,27 @@ class Stager:
             self._buffers[key] = buf
             (self._pinned.add if pin else self._pinned.discard)(key)
         return buf
+
+    def _allocate_shared(self, flat: Mapping[str, Any]) -> None:
+        """(shared staging) One new arena for every tensor whose buffer is missing or changed."""
+        assert self.arenas is not None
+        keys, specs = [], []
+        for key, value in flat.items():
+            if isinstance(value, ShardedTensor):
+                raise ConfigError(f"state key {key!r} is an XLA sharded tensor: "
+                                  "async_mode='process' does not stage those yet; use "
+                                  "async_mode='thread' for XLA-SPMD states")
+            src = value.to_local() if isinstance(value, DTensor) else value
+            if not isinstance(src, torch.Tensor):
+                continue
+            buf = self._buffers.get(key)
+            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                keys.append(key)
+                specs.append((tuple(src.shape), src.dtype))
+        if specs:
+            for key, buf in zip(keys, self.arenas.allocate(specs), strict=True):
+                self._buffers[key] = buf
+                self._pinned.discard(key)
 
     def _copy(self, buf: torch.Tensor, src: torch.Tensor, used: dict[int, Any]) -> None:
         """Copy ``src`` into host ``buf``: on a CUDA side stream (non-blocking into pinned
@@ -111,6 +146,9 @@ class Stager:
         out: dict[str, Any] = {}
         used: dict[int, Any] = {}
         self.last_staged_bytes = 0
+        if self.arenas is not None:
+            with torch.no_grad():
+                self._allocate_shared(flat)
         try:
             with torch.no_grad():
                 for key, value in flat.items():
@@ -139,6 +177,8 @@ class Stager:
             self._drop(key)
         for key in set(self._shard_buffers) - set(flat):
             del self._shard_buffers[key]
+        if self.arenas is not None:
+            self.retired += self.arenas.retire_unused(self._buffers.values())
         return out
 
     def _drop(self, key: str) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ckptmgr._arrivals import Arrivals
 from ckptmgr.errors import CkptmgrError, ConfigError, SaveError
 
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "Comm", "collective_timeout", "make_group"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "Comm", "collective_timeout", "make_group", "portable"]
 
 T = TypeVar("T")
 
@@ -72,7 +72,7 @@ def make_group(process_group: Any, timeout: timedelta | None = None) -> Any:
                           use_local_synchronization=True)
 
 
-def _portable(exc: BaseException) -> BaseException:
+def portable(exc: BaseException) -> BaseException:
     """``exc`` if it pickles, else a SaveError carrying its text (some backend errors don't)."""
     try:
         pickle.dumps(exc)
@@ -156,7 +156,7 @@ class Comm:
         try:
             result = fn()
         except Exception as e:
-            err = (self.rank, _portable(e))
+            err = (self.rank, portable(e))
         if self.group is None:
             if err is not None:
                 raise err[1]
@@ -178,7 +178,7 @@ class Comm:
             try:
                 payload = ("ok", fn())
             except Exception as e:
-                payload = ("err", _portable(e))
+                payload = ("err", portable(e))
         payload = self.broadcast(payload)
         if payload[0] == "err":
             exc = payload[1]

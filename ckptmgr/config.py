@@ -94,6 +94,7 @@ _RULES: dict[str, str] = {
     "async.max_pending_async": "an int >= 1 (one save is in flight; larger values act as 1)",
     "async.backpressure": "'block' or 'skip'",
     "async.num_of_threads": "None or an int >= 1",
+    "async.mode": "'thread' or 'process'",
     "preemption": "a mapping",
     "preemption.enabled": "a bool",
     "preemption.signals": "a signal name ('SIGTERM' or 'TERM'), a signal number, or a list of them",
@@ -134,6 +135,7 @@ _FLAT: dict[str, tuple[str, ...]] = {
     "local_path": ("local", "path"),
     "local_interval": ("local", "interval"),
     "local_max_to_keep": ("local", "max_to_keep"),
+    "async_mode": ("async", "mode"),
 }
 _DOTTED_TO_FLAT = {".".join(where): name for name, where in _FLAT.items()}
 
@@ -251,6 +253,9 @@ class AsyncConfig(_Section):
         default="block", description="wait for the in-flight save, or skip the new one")
     num_of_threads: _Int1 | None = Field(
         default=None, description="writer threads per rank; None lets ckptmgr choose")
+    mode: Literal["thread", "process"] = Field(
+        default="thread", description="where background saves run: a thread of the training "
+        "process, or one persistent writer process per rank (Linux; docs/performance.md)")
 
     @field_validator("max_pending_async")
     @classmethod

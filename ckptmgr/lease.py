@@ -138,6 +138,16 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._follower = False
+
+    @classmethod
+    def follow(cls, storage: Storage, info: LeaseInfo) -> Lease:
+        """The lease ``info`` held by another process (the training process of a writer
+        process), for :meth:`check` only: it is never renewed, taken or released here."""
+        lease = cls(storage)
+        lease.info = info
+        lease._follower = True
+        return lease
 
     # ------------------------------------------------------------------------------- acquire
 
@@ -286,6 +296,8 @@ class Lease:
     def release(self) -> None:
         """Stop renewing and remove the lease if it is still ours. Never raises."""
         self._stop.set()
+        if self._follower:
+            return
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         with self._lock:

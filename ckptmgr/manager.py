@@ -24,13 +24,9 @@ import torch.distributed as dist
 
 from ckptmgr._async import SaveQueue, Stager
 from ckptmgr._dist import Comm, collective_timeout, make_group
+from ckptmgr._shm import ArenaSet
 from ckptmgr.config import ManagerConfig, check_flag, load_config
-from ckptmgr.dcp.checkpoint import (
-    PreparedSave,
-    SavePlanners,
-    prepare_save,
-    write_step,
-)
+from ckptmgr.dcp.checkpoint import PreparedSave, SavePlanners, prepare_save
 from ckptmgr.errors import (
     AsyncSaveError,
     CkptmgrError,
@@ -43,12 +39,13 @@ from ckptmgr.info import SaveStats, StepInfo
 from ckptmgr.initial import KeyMap, load_initial
 from ckptmgr.layout import check_step
 from ckptmgr.lease import Lease
-from ckptmgr.manifest import Manifest, check_metadata, check_metrics
-from ckptmgr.policy import StepRecord, best_step, build_policy
-from ckptmgr.preemption import PreemptionWatcher, warn_if_over_grace
+from ckptmgr.manifest import check_metadata, check_metrics
+from ckptmgr.policy import StepRecord, best_step
+from ckptmgr.preemption import PreemptionWatcher, agree_preemption, warn_if_over_grace
 from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import open_storage
-from ckptmgr.tiers import LocalTier, durable_after_commit, durable_fits, restore_durable
+from ckptmgr.tiers import LocalTier, durable_fits, restore_durable, save_durable
+from ckptmgr.writer_process import DurableJob, WriterProcess, retention_policy, wire_items
 
 __all__ = ["CheckpointManager"]
 
@@ -136,6 +133,7 @@ class CheckpointManager:
         local_path: str | None = None,
         local_interval: int | None = None,
         local_max_to_keep: int = 2,
+        async_mode: str = "thread",
     ) -> None:
         self._closed = True  # until fully constructed, close() has nothing to release
         cfg = ManagerConfig.from_kwargs(
@@ -149,19 +147,19 @@ class CheckpointManager:
             exit_on_preemption=exit_on_preemption, preemption_file=preemption_file,
             planner=planner, read_only=read_only, take_over=take_over,
             collective_timeout_s=collective_timeout_s, local_path=local_path,
-            local_interval=local_interval, local_max_to_keep=local_max_to_keep)
+            local_interval=local_interval, local_max_to_keep=local_max_to_keep,
+            async_mode=async_mode)
         self.config = cfg
         self._store = StepStore(open_storage(cfg.path, cfg.storage.options,
                                              writable=not cfg.read_only))
         ret = cfg.retention
-        self._policy = build_policy(
-            max_to_keep=ret.max_to_keep, keep_period=ret.keep_period,
-            keep_time_interval=ret.keep_time_interval, best_metric=ret.best_metric,
-            best_mode=ret.best_mode, keep_best=ret.keep_best)
+        self._policy = retention_policy(cfg)
         self._needs_records = bool(ret.max_to_keep) and (
             ret.keep_time_interval is not None or ret.best_metric is not None)
         self._queue = SaveQueue()
-        self._stager = Stager()
+        arenas = ArenaSet() if cfg.async_.mode == "process" else None  # shared staging memory
+        self._stager = Stager(arenas)
+        self._writer = WriterProcess(cfg, arenas) if arenas is not None else None
         self._planners = SavePlanners()
         self._lease: Lease | None = None
         self._preempt: PreemptionWatcher | None = None
@@ -181,6 +179,8 @@ class CheckpointManager:
             self._worker = Comm(group and make_group(process_group, timeout), timeout)
             self._view = self._caller.on_coordinator(self._open_root)
             self._local = LocalTier.open(cfg, self._caller) if cfg.local.path else None
+            if self._writer is not None:  # started now: it is ready by the first save
+                self._writer.ensure(self._caller, self._lease)
             self._preempt = PreemptionWatcher(
                 cfg.preemption.signals if cfg.preemption.enabled else (),
                 file=cfg.preemption.file, check=preemption_check)
@@ -305,6 +305,8 @@ class CheckpointManager:
         if isinstance(ready, bool):
             return ready
         staged = self._stager.stage(ready.prepared.flat)
+        if self._writer is not None:  # the writer process gets references and encoded values
+            staged = wire_items(staged, self._stager, trusted=ready.request.trusted)
         blocking_s = time.perf_counter() - ready.request.t_call
         self._inflight_step = ready.request.step
         self._queue.submit(lambda: self._write(ready, staged, self._worker, blocking_s),
@@ -431,7 +433,7 @@ class CheckpointManager:
         req = _Request(check_step(step), check_flag("force", force), check_metrics(metrics),
                        check_metadata(metadata), check_flag("trusted", trusted), t_call)
         self._caller.arrivals.begin("save", req.step, "plan")
-        signum = self._agree_preemption()
+        signum = agree_preemption(self._preempt, self._caller)
         if signum:
             return self._preemption_save(req, state_dict, signum)
         if not (req.forced or self.should_save(req.step)):
@@ -446,7 +448,12 @@ class CheckpointManager:
             log.info("skipping step %d: the save of step %s is still in flight", req.step,
                      self._inflight_step)
             return False
-        self.join()
+        restarted = self._writer is not None and self._writer.ensure(self._caller, self._lease)
+        try:
+            self.join()
+        finally:  # a writer process that died may have committed before it could say so
+            if restarted:
+                self._view = self._caller.on_coordinator(self._scan)
         return self._prepare(req, state_dict, on_exists="raise",
                              durable=req.forced or req.step % self.config.save_interval == 0,
                              local=self._local is not None and (req.forced or self._local.due(
@@ -476,13 +483,6 @@ class CheckpointManager:
         except StorageError as e:
             raise SaveError(f"save of step {req.step} to {self.path} failed: {e}", step=req.step,
                             failures={self._caller.rank: e}) from e
-
-    def _agree_preemption(self) -> int:
-        """(collective on the caller group) The preemption signal any rank saw, else 0."""
-        local = self._preempt.triggered() if self._preempt is not None else 0
-        if self._caller.world_size == 1:
-            return local
-        return int(max(self._caller.all_gather(local)))
 
     def _preemption_save(self, req: _Request, state_dict: Mapping[str, Any],
                          signum: int) -> bool:
@@ -533,23 +533,25 @@ class CheckpointManager:
             if local_err is not None:
                 raise local_err
             return
-        t_write = time.perf_counter()
-        outcome = write_step(
-            flat, self._store, plan, rank=comm.rank, group=comm.group,
-            planner=self._planners.get(ready.prepared.spmd), trusted=req.trusted,
-            num_threads=self.config.async_.num_of_threads,
-            fence=self._check_lease if comm.is_coordinator else None, arrivals=comm.arrivals)
-        write_s = time.perf_counter() - t_write
-        self._view = comm.on_coordinator(lambda: self._after_commit(plan, outcome.manifest))
-        total = sum(comm.all_gather(outcome.bytes_written))
+        if self._writer is not None and comm is self._worker:  # in the writer process
+            out = self._writer.save(DurableJob(plan, req.trusted, flat, self._view.records,
+                                               sorted(self._view.foreign)),
+                                    self._stager.take_retired())
+        else:
+            out = save_durable(
+                self._store, flat, plan, comm, planner=self._planners.get(ready.prepared.spmd),
+                trusted=req.trusted, num_threads=self.config.async_.num_of_threads,
+                fence=self._check_lease, records=self._view.records, policy=self._policy,
+                dcp_steps=self._view.foreign)
+        self._view = _View(out.records, frozenset(out.dcp_steps))
         stats = SaveStats(
             step=plan.step,
             blocking_s=blocking_s if blocking_s is not None else time.perf_counter() - req.t_call,
-            write_s=write_s, bytes=outcome.bytes_written, total_bytes=total,
+            write_s=out.write_s, bytes=out.bytes_written, total_bytes=out.total_bytes,
             staging_bytes=self._stager.last_staged_bytes if blocking_s is not None else 0,
             pinned_bytes=self._stager.pinned_nbytes)
         self._last_stats = stats
-        took = stats.blocking_s + (write_s if blocking_s is not None else 0.0)
+        took = stats.blocking_s + (out.write_s if blocking_s is not None else 0.0)
         if self.config.preemption.enabled and not self._grace_warned:
             self._grace_warned = warn_if_over_grace(plan.step, took,
                                                     self.config.preemption.grace_s)
@@ -557,13 +559,6 @@ class CheckpointManager:
         self._events.emit("on_save_end", stats)
         if local_err is not None:
             raise local_err
-
-    def _after_commit(self, plan: CommitPlan, manifest: Manifest | None) -> _View:
-        """(coordinator) The durable tier's retention after a commit (ckptmgr.tiers)."""
-        records, dcp_steps = durable_after_commit(self._store, self._view.records, plan, manifest,
-                                                  self._policy, self._check_lease,
-                                                  self._view.foreign)
-        return _View(records, frozenset(dcp_steps))
 
     def _check_lease(self) -> None:
         """(coordinator) Raise LeaseError unless this manager still holds the writer lease."""
@@ -575,7 +570,10 @@ class CheckpointManager:
             raise CkptmgrError("this CheckpointManager is closed; create a new one")
 
     def _release(self) -> None:
-        """Release staging memory, process groups, signal handlers and the writer lease."""
+        """Release the writer process, staging memory, process groups, signal handlers and the
+        writer lease."""
+        if self._writer is not None:
+            self._writer.close()
         self._stager.release()
         if self._preempt is not None:
             self._preempt.uninstall()

@@ -19,7 +19,7 @@ from typing import Any
 
 from ckptmgr.errors import ConfigError
 
-__all__ = ["PreemptionWatcher", "warn_if_over_grace"]
+__all__ = ["PreemptionWatcher", "agree_preemption", "warn_if_over_grace"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -120,6 +120,13 @@ class PreemptionWatcher:
             except (ValueError, OSError) as e:
                 log.debug("could not restore the handler of %s: %s", sig, e)
         self._previous.clear()
+
+
+def agree_preemption(watcher: PreemptionWatcher | None, comm: Any) -> int:
+    """(collective over ``comm``, a :class:`~ckptmgr._dist.Comm`) The preemption signal any
+    rank's ``watcher`` saw, else 0."""
+    local = watcher.triggered() if watcher is not None else 0
+    return local if comm.world_size == 1 else int(max(comm.all_gather(local)))
 
 
 def warn_if_over_grace(step: int, took_s: float, grace_s: float) -> bool:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
@@ -68,7 +69,8 @@ from ckptmgr.policy import StepRecord, steps_to_delete
 from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import open_storage
 
-__all__ = ["LAYOUT_KEY", "LocalTier", "durable_after_commit", "local_view"]
+__all__ = ["LAYOUT_KEY", "DurableOutcome", "LocalTier", "durable_after_commit", "local_view",
+           "save_durable"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -419,6 +421,39 @@ def _whole(held: list[list[_Held]], world_size: int) -> list[int]:
             if h.ok:
                 counts[h.step] = counts.get(h.step, 0) + 1
     return sorted(s for s, n in counts.items() if n == world_size)
+
+
+@dataclass(frozen=True)
+class DurableOutcome:
+    """What a durable save did, on every rank: this rank's bytes, every rank's, the seconds
+    writing and committing took, and the root's steps after retention."""
+
+    bytes_written: int
+    total_bytes: int
+    write_s: float
+    records: dict[int, StepRecord]
+    dcp_steps: list[int]
+
+
+def save_durable(store: StepStore, flat: dict[str, Any], plan: CommitPlan, comm: Comm, *,
+                 planner: Any, trusted: bool, num_threads: int | None,
+                 fence: Callable[[], None], records: dict[int, StepRecord], policy: Any,
+                 dcp_steps: Iterable[int]) -> DurableOutcome:
+    """(collective over ``comm``) Write and commit ``plan``'s step, apply the durable tier's
+    retention on the coordinator (fenced by ``fence``), agree on the result.
+
+    The same code runs in the training process (``async_mode="thread"``, and synchronous saves)
+    and in the writer process (``"process"``).
+    """
+    t_write = time.perf_counter()
+    outcome = write_step(flat, store, plan, rank=comm.rank, group=comm.group, planner=planner,
+                         trusted=trusted, num_threads=num_threads,
+                         fence=fence if comm.is_coordinator else None, arrivals=comm.arrivals)
+    write_s = time.perf_counter() - t_write
+    new_records, new_dcp = comm.on_coordinator(lambda: durable_after_commit(
+        store, records, plan, outcome.manifest, policy, fence, dcp_steps))
+    total = sum(comm.all_gather(outcome.bytes_written))
+    return DurableOutcome(outcome.bytes_written, total, write_s, new_records, list(new_dcp))
 
 
 def durable_after_commit(store: StepStore, records: dict[int, StepRecord], plan: CommitPlan,

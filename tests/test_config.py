@@ -41,7 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "exit_on_preemption": True,
     "preemption_file": None, "planner": "auto", "read_only": False, "take_over": False,
     "collective_timeout_s": None,
-    "local_path": None, "local_interval": None, "local_max_to_keep": 2,
+    "local_path": None, "local_interval": None, "local_max_to_keep": 2, "async_mode": "thread",
 }
 
 # Constructor argument -> YAML path, written out here independently of the module's own table.
@@ -59,7 +59,7 @@ YAML_PATH = {
     "preemption_file": "preemption.file", "read_only": "read_only", "take_over": "take_over",
     "collective_timeout_s": "collective_timeout_s",
     "local_path": "local.path", "local_interval": "local.interval",
-    "local_max_to_keep": "local.max_to_keep",
+    "local_max_to_keep": "local.max_to_keep", "async_mode": "async.mode",
 }
 BASE: dict[str, Any] = {"path": "/tmp/ckpt-run", "save_interval": 10}
 
@@ -139,6 +139,7 @@ def test_round_trip_with_every_option_set() -> None:
         "planner": "xla_spmd", "read_only": True, "take_over": True,
         "collective_timeout_s": 42.5,
         "local_path": "/local_nvme/run", "local_interval": 50, "local_max_to_keep": 3,
+        "async_mode": "process",
     }
     cfg = ManagerConfig.from_kwargs(**kwargs)
     assert cfg.to_kwargs() == kwargs

@@ -478,6 +478,11 @@ class StagedDTensor(KnownShapeShards):
         return cls(data, global_shape=value.shape, dtype=value.dtype, chunks=chunks,
                    properties=props, placements=placements, mesh=mesh, replica_id=replica)
 
+    @property
+    def data(self) -> torch.Tensor:
+        """The host copy of the local shard (also outside the mesh, where it plans nothing)."""
+        return self._data
+
     def layout(self) -> list[ShardInfo]:
         return [ShardInfo("host", tuple(c.offsets), tuple(c.sizes), tuple(c.sizes),
                           self.replica_id) for c in self.chunks]

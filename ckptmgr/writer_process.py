@@ -1,0 +1,423 @@
+"""The writer process (``async_mode="process"``): each rank's background saves run in a process of
+their own, so a save never competes with training for the GIL.
+
+Training process (one :class:`WriterProcess` per manager; every method on the caller's thread
+except :meth:`WriterProcess.save`, which the background save thread calls):
+
+1) :meth:`WriterProcess.ensure` (collective over the caller's group, at each due save): when any
+   rank's writer is absent or dead, every rank stops its own and starts a new one. The first start
+   makes the rendezvous: the coordinator's training process hosts a TCP store the writers of all
+   ranks meet on to form their own gloo group (a new prefix per generation).
+2) ``save_async`` stages into shared-memory arenas (:mod:`ckptmgr._shm`) and encodes Python values
+   (:func:`~ckptmgr.dcp.writer.encode_object`), then :func:`wire_items` describes the staged state
+   by reference: no tensor byte is pickled.
+3) :meth:`WriterProcess.save` (background save thread) sends new arenas' descriptors and the job,
+   and waits for the reply: the :class:`~ckptmgr.tiers.DurableOutcome`, or the error to raise.
+4) :meth:`WriterProcess.close`: the writer exits; a writer that does not is killed.
+
+Writer process (:func:`main`, a fresh interpreter started with ``python -c``, so the training
+script is never imported in it, safe under torchrun): ignores SIGINT/SIGTERM and the preemption
+signals (the training process decides, then closes it); exits at once when the training process is
+gone (a lifeline pipe's EOF or a new parent pid), so nothing is written after the parent died, and
+nothing half-written becomes visible (the commit protocol). It writes, checksums, commits through
+:func:`~ckptmgr.tiers.save_durable` (the same code thread mode runs), fenced by the training
+process's writer lease (read from storage, never renewed here) and by the parent being alive, and
+applies retention. It never unpickles a user object: values arrive encoded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
+
+from ckptmgr._async import Stager
+from ckptmgr._dist import Comm, portable
+from ckptmgr._shm import ArenaSet, ShmTensor, attach, view
+from ckptmgr.config import ManagerConfig
+from ckptmgr.dcp.checkpoint import SavePlanners
+from ckptmgr.dcp.shards import StagedDTensor
+from ckptmgr.dcp.writer import EncodedValue, encode_object
+from ckptmgr.errors import CkptmgrError, LeaseError, SaveError
+from ckptmgr.lease import Lease, LeaseInfo
+from ckptmgr.policy import RetentionPolicy, StepRecord, build_policy
+from ckptmgr.step_store import CommitPlan, StepStore
+from ckptmgr.storage import open_storage
+from ckptmgr.tiers import DurableOutcome, save_durable
+
+__all__ = ["DurableJob", "WriterProcess", "main", "retention_policy", "wire_items"]
+
+log = logging.getLogger("ckptmgr")
+
+_ORPHANED = 70  # exit status of a writer whose training process is gone
+_CLOSE_WAIT_S = 60.0  # a writer still busy after close() is asked this long, then killed
+
+
+def retention_policy(cfg: ManagerConfig) -> RetentionPolicy:
+    """The durable tier's retention policy of ``cfg`` (the manager and the writer build it here)."""
+    ret = cfg.retention
+    return build_policy(max_to_keep=ret.max_to_keep, keep_period=ret.keep_period,
+                        keep_time_interval=ret.keep_time_interval,
+                        best_metric=ret.best_metric, best_mode=ret.best_mode,
+                        keep_best=ret.keep_best)
+
+
+@dataclass(frozen=True)
+class _WireDTensor:
+    """A staged DTensor by reference: its host copy's place in an arena and its layout (the mesh
+    stays behind: it names the training process's groups)."""
+
+    ref: ShmTensor
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[Any, ...]
+    properties: Any
+    placements: tuple[Any, ...]
+    replica_id: int
+
+
+@dataclass(frozen=True)
+class DurableJob:
+    """One durable save for the writer process: the coordinator's plan, the state by reference
+    (:func:`wire_items`), and the root's steps as the training process knows them."""
+
+    plan: CommitPlan
+    trusted: bool
+    items: dict[str, Any]
+    records: dict[int, StepRecord]
+    dcp_steps: list[int]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    cfg: ManagerConfig
+    rank: int
+    world_size: int
+    rendezvous: tuple[str, int] | None
+    generation: int
+    lease: LeaseInfo | None
+    timeout_s: float
+    log_level: int
+
+
+def wire_items(staged: dict[str, Any], stager: Stager, *, trusted: bool) -> dict[str, Any]:
+    """(caller's thread) The staged state by reference: tensors as their place in an arena,
+    DTensors with their layout, Python values encoded.
+
+    Raises:
+        ConfigError: a value that cannot be sent to the writer process (an XLA sharded tensor:
+            use ``async_mode="thread"``).
+        UnsafeCheckpointError: a value that needs pickle and not ``trusted``.
+    """
+    arenas = stager.arenas
+    assert arenas is not None, "the stager of a writer process stages into shared memory"
+    out: dict[str, Any] = {}
+    for key, value in staged.items():
+        if isinstance(value, StagedDTensor):
+            out[key] = _WireDTensor(arenas.locate(value.data), tuple(value.global_shape),
+                                    value.dtype, value.chunks, value.properties,
+                                    value.placements, value.replica_id)
+        elif isinstance(value, torch.Tensor):
+            out[key] = arenas.locate(value)
+        else:
+            data, encoding = encode_object(key, value, trusted=trusted)
+            out[key] = EncodedValue(data, encoding)
+    return out
+
+
+def _died_message(rank: int, code: int | None, why: str | None) -> str:
+    if why is not None:
+        return why
+    if code is None:
+        return f"the writer process of rank {rank} closed its connection"
+    if code < 0:
+        name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        hint = " (out of memory?)" if -code == signal.SIGKILL else ""
+        return f"the writer process of rank {rank} was killed by {name}{hint}"
+    return f"the writer process of rank {rank} exited with status {code}"
+
+
+class WriterProcess:
+    """This rank's writer process, seen from the training process.
+
+    Args:
+        cfg: the manager's configuration (sent to the writer).
+        arenas: the staging arenas the writer maps.
+    """
+
+    def __init__(self, cfg: ManagerConfig, arenas: ArenaSet) -> None:
+        self._cfg = cfg
+        self._arenas = arenas
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._lifeline: int | None = None
+        self._ready = False
+        self._generation = 0
+        self._store: Any = None  # the coordinator's rendezvous TCP store (kept while open)
+        self._rendezvous: tuple[str, int] | None = None
+        self._killed: str | None = None
+        self._rank = 0
+
+    @property
+    def pid(self) -> int | None:
+        """The writer process's pid while it runs."""
+        return self._proc.pid if self.alive and self._proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None and self._killed is None
+
+    def ensure(self, comm: Comm, lease: Lease | None) -> bool:
+        """(collective over ``comm``) Start every rank's writer when any rank's is absent or
+        dead (stopping the others first: their group lost a member). True when started."""
+        ok = self.alive
+        if comm.world_size > 1:
+            ok = all(comm.all_gather(ok))
+        if ok:
+            return False
+        if self._proc is not None:
+            log.warning("rank %d: %s; starting new writer processes", comm.rank,
+                        "this rank's writer process died" if not self.alive
+                        else "another rank's writer process died")
+            self.kill("the writer process of another rank died, so this rank's was stopped")
+        self._start(comm, lease)
+        return True
+
+    def _start(self, comm: Comm, lease: Lease | None) -> None:
+        self._generation += 1
+        self._rank = comm.rank
+        if comm.world_size > 1 and self._rendezvous is None:
+            hosts = comm.all_gather(socket.gethostname())
+            addr = None
+            if comm.is_coordinator:
+                host = os.environ.get("MASTER_ADDR") or (
+                    "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostname())
+                self._store = TCPStore(host, 0, None, True,
+                                            timedelta(seconds=comm.arrivals.timeout_s),
+                                            wait_for_workers=False)
+                addr = (host, int(self._store.port))
+            self._rendezvous = comm.broadcast(addr)
+        info = lease.info if lease is not None else None
+        spec = _Spec(self._cfg, comm.rank, comm.world_size, self._rendezvous, self._generation,
+                     info, comm.arrivals.timeout_s, log.getEffectiveLevel())
+        parent, child = socket.socketpair()
+        life_r, life_w = os.pipe()
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the writer never touches a device
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-c", "from ckptmgr.writer_process import main; main()",
+                 str(child.fileno()), str(life_r)],
+                pass_fds=(child.fileno(), life_r), env=env, stdin=subprocess.DEVNULL)
+        finally:
+            child.close()
+            os.close(life_r)
+        self._conn = Connection(parent.detach())
+        self._lifeline = life_w
+        self._ready = False
+        self._killed = None
+        self._arenas.forget_sent()
+        self._conn.send(("init", spec))
+
+    def save(self, job: DurableJob, retired: list[int]) -> DurableOutcome:
+        """(background save thread) Run ``job`` in the writer process and return its outcome.
+
+        Raises:
+            SaveError: the writer process died or was stopped (the step was not reported
+                committed); or the error the save raised there.
+        """
+        proc, conn = self._proc, self._conn
+        if proc is None or conn is None:
+            raise SaveError(f"no writer process on rank {self._rank}", step=job.plan.step)
+        try:
+            if not self._ready:
+                kind, payload = conn.recv()
+                if kind != "ready":
+                    raise payload
+                self._ready = True
+            if retired:
+                conn.send(("retire", retired))
+            new = self._arenas.unsent()
+            if new:
+                conn.send(("arenas", [(a.id, a.nbytes) for a in new]))
+                for a in new:
+                    assert a.fd is not None
+                    reduction.send_handle(conn, a.fd, proc.pid)
+            conn.send(("save", job))
+            kind, payload = conn.recv()
+        except (EOFError, OSError) as e:
+            try:
+                code = proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                code = None
+            why = _died_message(self._rank, code, self._killed)
+            self._killed = self._killed or why
+            raise SaveError(f"{why} during the save of step {job.plan.step}: that save was not "
+                            "reported committed (all_steps() shows whether it was); the next "
+                            "save starts a new writer process", step=job.plan.step,
+                            failures={self._rank: CkptmgrError(why)}) from e
+        if kind == "err":
+            raise payload
+        assert isinstance(payload, DurableOutcome)
+        return payload
+
+    def kill(self, why: str) -> None:
+        """Stop the writer now (SIGKILL); a save waiting on it fails with ``why``."""
+        self._killed = why
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._drop_pipes()
+
+    def close(self) -> None:
+        """Ask the writer to exit (after its save in flight); kill it if it does not."""
+        proc, conn = self._proc, self._conn
+        if proc is not None and proc.poll() is None and conn is not None:
+            try:
+                conn.send(("close", None))
+                proc.wait(timeout=_CLOSE_WAIT_S)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                log.warning("the writer process %d did not exit (%s): killing it", proc.pid, e)
+                proc.kill()
+                proc.wait()
+        self._proc = None
+        self._drop_pipes()
+        self._store = None
+
+    def _drop_pipes(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
+
+
+# --------------------------------------------------------------------------- the writer process
+
+
+def _watch_parent(lifeline: int, parent: int) -> None:
+    """Exit at once when the training process is gone: its end of the lifeline closes (EOF), or
+    this process was re-parented. Nothing is written after the parent died."""
+    while True:
+        ready, _, _ = select.select([lifeline], [], [], 0.25)
+        if ready or os.getppid() != parent:
+            os._exit(_ORPHANED)
+
+
+class _Writer:
+    """The writer process's state: the root, retention, the lease to check, its group."""
+
+    def __init__(self, spec: _Spec) -> None:
+        cfg = spec.cfg
+        for sig in cfg.preemption.signals:  # the training process decides about preemption
+            signal.signal(sig, signal.SIG_IGN)
+        self.parent = os.getppid()
+        self.store = StepStore(open_storage(cfg.path, cfg.storage.options, writable=True))
+        self.policy = retention_policy(cfg)
+        self.lease = Lease.follow(self.store.storage, spec.lease) if spec.lease else None
+        self.planners = SavePlanners()
+        self.num_threads = cfg.async_.num_of_threads
+        self.arenas: dict[int, torch.Tensor] = {}
+        self.comm = Comm(None)
+        if spec.world_size > 1:
+            assert spec.rendezvous is not None
+            timeout = timedelta(seconds=spec.timeout_s)
+            host, port = spec.rendezvous
+            store = TCPStore(host, port, None, False, timeout)
+            dist.init_process_group(
+                "gloo", store=PrefixStore(f"ckptmgr-writers/{spec.generation}/", store),
+                rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+            self.comm = Comm(dist.group.WORLD, timeout)
+
+    def fence(self) -> None:
+        """(before a commit or a deletion) The training process is alive and holds the lease."""
+        if os.getppid() != self.parent:
+            raise LeaseError("the training process is gone: the writer process commits nothing")
+        if self.lease is not None:
+            self.lease.check()
+
+    def flat(self, items: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, item in items.items():
+            if isinstance(item, ShmTensor):
+                out[key] = view(self.arenas[item.arena], item)
+            elif isinstance(item, _WireDTensor):
+                out[key] = StagedDTensor(
+                    view(self.arenas[item.ref.arena], item.ref), global_shape=item.global_shape,
+                    dtype=item.dtype, chunks=item.chunks, properties=item.properties,
+                    placements=item.placements, replica_id=item.replica_id)
+            else:
+                out[key] = item
+        return out
+
+    def save(self, job: DurableJob) -> DurableOutcome:
+        return save_durable(
+            self.store, self.flat(job.items), job.plan, self.comm,
+            planner=self.planners.get(False), trusted=job.trusted, num_threads=self.num_threads,
+            fence=self.fence, records=job.records, policy=self.policy, dcp_steps=job.dcp_steps)
+
+    def close(self) -> None:
+        if self.comm.group is not None and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(conn: Connection) -> None:
+    _, spec = conn.recv()
+    logging.basicConfig(format=f"[ckptmgr writer rank {spec.rank}] %(levelname)s %(message)s")
+    logging.getLogger("ckptmgr").setLevel(spec.log_level)
+    try:
+        writer = _Writer(spec)
+    except BaseException as e:
+        conn.send(("err", portable(e)))
+        return
+    conn.send(("ready", os.getpid()))
+    try:
+        while True:
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                return
+            if kind == "arenas":
+                for arena, nbytes in payload:
+                    writer.arenas[arena] = attach(reduction.recv_handle(conn), nbytes)
+            elif kind == "retire":
+                for arena in payload:
+                    writer.arenas.pop(arena, None)
+            elif kind == "save":
+                try:
+                    reply: tuple[str, Any] = ("ok", writer.save(payload))
+                except BaseException as e:
+                    log.debug("save failed in the writer process", exc_info=True)
+                    reply = ("err", portable(e))
+                conn.send(reply)
+            elif kind == "close":
+                return
+    finally:
+        writer.close()
+
+
+def main() -> None:
+    """The writer process's entry point (argv: the socket's fd, the lifeline's fd)."""
+    sock, lifeline = int(sys.argv[1]), int(sys.argv[2])
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    threading.Thread(target=_watch_parent, args=(lifeline, os.getppid()), daemon=True,
+                     name="ckptmgr-lifeline").start()
+    _serve(Connection(sock))
