@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _metadata import metadata_doc
 
 from ckptmgr import CheckpointManager, ConfigError
 
@@ -230,7 +231,7 @@ def _forge_value_length(root: Path, step: int, fqn: str, length: int) -> Path:
     sdir = root / str(step)
     manifest = json.loads((sdir / "commit.json").read_text())
     meta_path = sdir / manifest["metadata_file"]
-    meta = json.loads(meta_path.read_text())
+    meta = metadata_doc(meta_path.read_bytes())
     (loc,) = [s for s in meta["storage"] if s["fqn"] == fqn]
     data = sdir / loc["file"]
     with open(data, "r+b") as f:

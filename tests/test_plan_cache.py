@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 
 import ckptmgr
 from ckptmgr.dcp._compat import uses_private_entry_points
-from ckptmgr.dcp.planner import CkptSavePlanner, default_structure_key
+from ckptmgr.dcp.planner import CkptSavePlanner, PlanTokenError, default_structure_key
 
 
 def _state(seed: int = 0, n: int = 6) -> dict[str, Any]:
@@ -270,6 +270,7 @@ def _ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         mgr.save(2, state(Shard(0)))
         planner = mgr._planners.get(False)
         out["reuse_same"] = (planner.local_plan_reuses, planner.global_plan_reuses)
+        out["tokens"] = planner.plan_tokens_sent
         mgr.save(3, state(Replicate()))  # placements changed: every rank plans again
         mgr.save(4, state(Shard(0), rows=6))  # shape changed
         out["reuse_after"] = (planner.local_plan_reuses, planner.global_plan_reuses)
@@ -288,6 +289,92 @@ def _ranks(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_two_ranks_reuse_and_replan(tmp_path: Any) -> None:
     r0, r1 = run_ranks(_ranks, 2, str(tmp_path / "ckpt"))
     assert r0["reuse_same"] == (1, 1) and r1["reuse_same"] == (1, 0)  # global: coordinator only
+    assert r0["tokens"] == r1["tokens"] == 1  # the second save sent tokens, not plans
     assert r0["reuse_after"] == (1, 1) and r1["reuse_after"] == (1, 0)
     for r in (r0, r1):
         assert r["results"] == {2: (True, 8.0, 8), 3: (True, 8.0, 8), 4: (True, 6.0, 6)}
+
+
+# ------------------------------------------------------------------- tokens instead of plans
+
+
+class _Rank:
+    """One simulated rank's planner; rank 0 is the coordinator."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.planner = CkptSavePlanner()
+
+    def local(self, sd: dict[str, Any]) -> SavePlan:
+        self.planner.set_up_planner(sd, None, self.rank == 0)
+        return self.planner.create_local_plan()
+
+
+def _save(ranks: list[_Rank], states: list[dict[str, Any]], *,
+          delivered: bool = True) -> tuple[list[SavePlan], list[SavePlan], Any]:
+    """One save's planning: local plans, the coordinator's global plan, finish_plan on every
+    rank (unless the save failed before that: ``delivered=False``)."""
+    sent = [r.local(sd) for r, sd in zip(ranks, states, strict=True)]
+    plans, md = ranks[0].planner.create_global_plan(sent)
+    if delivered:
+        for r, p in zip(ranks, plans, strict=True):
+            r.planner.finish_plan(p)
+    return sent, plans, md
+
+
+def test_unchanged_plans_travel_as_tokens_and_reuse_the_global_plan() -> None:
+    ranks = [_Rank(r) for r in range(3)]
+    states = [_state(r, n=4) for r in range(3)]
+    sent1, plans1, md1 = _save(ranks, states)
+    assert all(p.items for p in sent1)  # whole plans first
+    sent2, plans2, md2 = _save(ranks, states)
+    assert all(p.items == [] for p in sent2)  # then a token each
+    assert [r.planner.plan_tokens_sent for r in ranks] == [1, 1, 1]
+    assert ranks[0].planner.global_plan_reuses == 1
+    assert plans2 == plans1 and md2.state_dict_metadata == md1.state_dict_metadata
+    # one rank changes: it sends its whole plan, the others tokens; planned again, correctly
+    states[1] = dict(states[1], w0=torch.zeros(16, 2))
+    sent3, plans3, md3 = _save(ranks, states)
+    assert [bool(p.items) for p in sent3] == [False, True, False]
+    assert ranks[0].planner.global_plan_reuses == 1
+    expected = _rank_plans(states)
+    fresh = CkptSavePlanner()
+    fresh.set_up_planner(states[0], None, True)
+    fresh.create_local_plan()
+    expected_plans, expected_md = fresh.create_global_plan(expected)
+    assert plans3 == expected_plans
+    assert md3.state_dict_metadata == expected_md.state_dict_metadata
+
+
+def test_a_save_that_failed_before_finish_plan_resends_whole_plans() -> None:
+    ranks = [_Rank(r) for r in range(2)]
+    states = [_state(r) for r in range(2)]
+    _save(ranks, states)
+    _save(ranks, states, delivered=False)  # tokens sent, the save failed after planning
+    sent, _, _ = _save(ranks, states)
+    assert all(p.items for p in sent)  # not sure the coordinator kept them: whole plans
+    sent, _, _ = _save(ranks, states)
+    assert all(not p.items for p in sent)
+
+
+def test_a_token_the_coordinator_lost_fails_one_save_then_heals() -> None:
+    ranks = [_Rank(r) for r in range(2)]
+    states = [_state(r) for r in range(2)]
+    _save(ranks, states)
+    ranks[0].planner.clear_plan_cache()  # the coordinator forgot (rank 1 did not)
+    with pytest.raises(PlanTokenError, match="rank 1 sent a token"):
+        _save(ranks, states)
+    sent, _, md = _save(ranks, states)  # the failed save never reached finish_plan
+    assert all(p.items for p in sent)
+    assert md.state_dict_metadata["w0"].size == torch.Size([8, 4])  # type: ignore[union-attr]
+
+
+def test_subclasses_that_extend_the_local_plan_never_send_tokens() -> None:
+    planner = _ExtraItems()
+    for _ in range(3):
+        planner.set_up_planner(_state(), None, True)
+        plan = planner.create_local_plan()
+        assert plan.items
+        plans, _ = planner.create_global_plan([plan])
+        planner.finish_plan(plans[0])
+    assert planner.plan_tokens_sent == 0 and planner.global_plan_reuses == 2

@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 import xxhash
+from _metadata import metadata_doc
 
 from ckptmgr import (
     CheckpointManager,
@@ -80,7 +81,7 @@ def _replace_metadata(root: str, step: int, mutate: Callable[[dict[str, Any]], b
     doc = _manifest(root, step)
     path = os.path.join(root, str(step), doc["metadata_file"])
     with open(path, "rb") as f:
-        md = json.loads(f.read())
+        md = metadata_doc(f.read())
     raw = mutate(md)
     data = raw if raw is not None else json.dumps(md).encode()
     with open(path, "wb") as f:

@@ -8,7 +8,6 @@ The same planners run on real torch_xla in tests/xla/real (the XLA lane).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _metadata import metadata_doc
 from _mp import run_ranks
 
 from ckptmgr import CheckpointManager, ConfigError, SaveError, StateMismatchError
@@ -134,7 +134,7 @@ def test_coverage_problem_messages() -> None:
 
 
 def _chunks_in_checkpoint(root: Path, step: int) -> dict[str, list[tuple[list[int], list[int]]]]:
-    meta = json.loads(next((root / str(step)).glob("metadata-*.json")).read_text())
+    meta = metadata_doc(next((root / str(step)).glob("metadata-*.json")).read_bytes())
     stored = [(e["fqn"], e["offset"]) for e in meta["storage"]]
     assert len(stored) == len({(f, tuple(o or ())) for f, o in stored})  # each chunk once
     return {fqn: [(c["offsets"], c["sizes"]) for c in t["chunks"]]

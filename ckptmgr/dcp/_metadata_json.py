@@ -1,8 +1,22 @@
-"""DCP ``Metadata`` as JSON and back, so reading a checkpoint never runs pickle.
+"""DCP ``Metadata`` as bytes and back, so reading a checkpoint never runs pickle.
 
 The encoding holds what loading needs: per key, tensor dtype, global size and stored chunks, or a
 marker for an encoded Python value; and per stored item, where its bytes are (file, offset, length),
 their checksum and encoding. Decoding validates every field and every path.
+
+Two formats (docs/byte-format.md), both read by :func:`decode_metadata`:
+
+- **format 2** (written since issue 18): a JSON header plus packed integer columns. Per tensor its
+  chunks are one record when they split one dimension regularly (FSDP2's ``Shard(0)``: "N chunks
+  of r rows, the last ones shorter") or one int64 column otherwise; storage locations (file,
+  position, checksum) are columns too, each stored as a constant, an arithmetic run, runs of
+  equal values or packed ints; lengths follow from the chunk sizes. Decoding is O(tensors) plus
+  vectorised range checks of the packed columns, and gives lazy ``md.chunks`` sequences and a
+  lazy ``storage_data`` mapping (:mod:`._lazy_metadata`).
+- **format 1**: one JSON document with an object per chunk and per stored item
+  (O(ranks x tensors) objects); still written when the metadata does not fit format 2's model
+  (a tensor item not stored raw, a checksum that is not ``<prefix><16 hex digits>``, a length
+  other than the chunk's bytes).
 
 Optional, when the save planner flattened a nested state dict (DCP's default planners do):
 ``planner_data``, each flat key's path in the nested dict (tagged JSON: str keys and int list
@@ -12,9 +26,13 @@ indices), which DCP's own tools use to rebuild nesting (``_EmptyStateDictLoadPla
 
 from __future__ import annotations
 
+import ctypes
+import itertools
 import json
-from dataclasses import dataclass
-from typing import Any
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -27,6 +45,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptmgr._values import NotRepresentableError, decode_tagged, encode_tagged
+from ckptmgr.dcp._lazy_metadata import (
+    ChunkTable,
+    Column,
+    ColumnarLocations,
+    GridChunks,
+    ItemLocation,
+    TensorLocations,
+)
 from ckptmgr.layout import check_file_name
 from ckptmgr.manifest import ManifestError, UnsafePathError, check_json_depth
 
@@ -34,22 +60,13 @@ __all__ = ["ENCODINGS", "ItemLocation", "decode_metadata", "dtype_name", "encode
 
 ENCODINGS = ("raw", "json", "pickle")
 FORMAT = "ckptmgr-dcp-metadata"
-VERSION = 1
+VERSION = 2
+VERSIONS = (1, 2)
+MAGIC = b"CKPTMDv2"  # format 2 starts with these 8 bytes, then the header length (u64 LE)
 MAX_METADATA_BYTES = 1 << 30
 # Larger metadata skips the depth pre-scan, which runs byte by byte in Python above 1 MiB (about
 # 0.1 s per MiB: most of the decode time of a 16k-rank step); the parser bounds the depth itself.
 _DEPTH_PRESCAN_BYTES = 1 << 20
-
-
-@dataclass(frozen=True)
-class ItemLocation:
-    """Where one stored item's bytes are, inside the step directory."""
-
-    file: str
-    offset: int
-    length: int
-    checksum: str
-    enc: str  # "raw" tensor bytes, "json" tagged JSON value, "pickle" torch.save bytes
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -73,8 +90,8 @@ def _ints(v: Any, what: str) -> list[int]:
     return v
 
 
-def encode_metadata(md: Metadata) -> bytes:
-    """``md`` (with ``storage_data`` mapping MetadataIndex -> ItemLocation) as JSON bytes."""
+def _encode_v1(md: Metadata) -> bytes:
+    """Format 1: ``md`` (``storage_data``: MetadataIndex -> ItemLocation) as one JSON document."""
     tensors: dict[str, Any] = {}
     values: list[str] = []
     for fqn, sm in md.state_dict_metadata.items():
@@ -94,7 +111,7 @@ def encode_metadata(md: Metadata) -> bytes:
             "file": loc.file, "pos": loc.offset, "length": loc.length,
             "checksum": loc.checksum, "enc": loc.enc,
         })
-    doc: dict[str, Any] = {"format": FORMAT, "version": VERSION, "dcp_version": md.version,
+    doc: dict[str, Any] = {"format": FORMAT, "version": 1, "dcp_version": md.version,
                            "tensors": tensors, "values": values, "storage": storage}
     paths = _planner_paths(md.planner_data)
     if paths is not None:
@@ -133,14 +150,8 @@ def _decode_planner_paths(doc: Any) -> dict[str, tuple[str | int, ...]]:
     return out
 
 
-def decode_metadata(data: bytes) -> Metadata:
-    """Rebuild DCP ``Metadata`` from :func:`encode_metadata` bytes.
-
-    Raises:
-        ManifestError: the bytes are not valid metadata (bad JSON, field, dtype or path).
-    """
-    if len(data) > MAX_METADATA_BYTES:
-        raise ManifestError(f"metadata is {len(data)} bytes, over the limit")
+def _decode_v1(data: bytes) -> Metadata:
+    """Format 1 (one JSON document)."""
     if len(data) <= _DEPTH_PRESCAN_BYTES:
         check_json_depth(data, 16)
     try:
@@ -153,8 +164,9 @@ def decode_metadata(data: bytes) -> Metadata:
         raise ManifestError(f"metadata is not valid JSON: {e}") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError("not ckptmgr DCP metadata")
-    if doc.get("version") != VERSION:
-        raise ManifestError(f"metadata version {doc.get('version')!r} is not supported")
+    if doc.get("version") != 1:
+        raise ManifestError(f"metadata version {doc.get('version')!r} is not supported by this "
+                            "ckptmgr (it reads versions 1 and 2): upgrade ckptmgr")
     sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     tensors = doc.get("tensors")
     values = doc.get("values")
@@ -203,5 +215,397 @@ def decode_metadata(data: bytes) -> Metadata:
     dcp_version = doc.get("dcp_version")
     planner_data = (_decode_planner_paths(doc["planner_data"]) if doc.get("planner_data")
                     is not None else None)
+    return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage_data,
+                    version=dcp_version if isinstance(dcp_version, str) else None)
+
+
+def encode_metadata(md: Metadata, *, version: int = VERSION) -> bytes:
+    """``md`` (``storage_data``: MetadataIndex -> ItemLocation, or None) as metadata bytes:
+    format 2 unless ``version=1`` is asked for or the metadata does not fit format 2 (module
+    docstring), then format 1."""
+    if version not in VERSIONS:
+        raise ValueError(f"metadata version must be one of {VERSIONS}, got {version!r}")
+    if version == 2:
+        out = _encode_v2(md)
+        if out is not None:
+            return out
+    return _encode_v1(md)
+
+
+def decode_metadata(data: bytes) -> Metadata:
+    """Rebuild DCP ``Metadata`` from :func:`encode_metadata` bytes (either format).
+
+    Raises:
+        ManifestError: the bytes are not valid metadata (bad JSON, header, column, field, dtype
+            or path).
+        UnsafePathError: a data file name that leaves the step directory.
+    """
+    if len(data) > MAX_METADATA_BYTES:
+        raise ManifestError(f"metadata is {len(data)} bytes, over the limit")
+    if bytes(data[:len(MAGIC)]) == MAGIC:
+        return _decode_v2(data)
+    return _decode_v1(data)
+
+
+# ---------------------------------------------------------------------------------------------
+# Format 2: MAGIC, u64 LE header length, UTF-8 JSON header, zero padding to a multiple of 8,
+# then the body of packed native-order int64 columns the header points into.
+
+_MAX_RUNS = 64  # a column of at most this many runs of equal values is stored as its runs
+_MASK64 = (1 << 64) - 1
+
+
+class _NotColumnar(Exception):
+    """The metadata does not fit format 2: written as format 1."""
+
+
+def _as_tensor(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values.to(torch.int64).contiguous()
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _column_spec(values: Sequence[int] | torch.Tensor, body: bytearray, *,
+                 arithmetic: bool = True) -> dict[str, Any]:
+    """The cheapest description of an int64 column: constant, arithmetic run, runs, packed."""
+    t = _as_tensor(values)
+    n = t.numel()
+    if n == 0:
+        return {"c": 0}
+    first = int(t[0])
+    if n == 1 or bool((t == first).all()):
+        return {"c": first}
+    if arithmetic:
+        step = int(t[1]) - first
+        if bool((t == first + torch.arange(n, dtype=torch.int64) * step).all()):
+            return {"a": [first, step]}
+    change = (t[1:] != t[:-1]).nonzero().flatten()
+    if change.numel() < _MAX_RUNS:
+        ends = [*(change + 1).tolist(), n]
+        starts = [0, *ends[:-1]]
+        return {"r": [[int(t[s]) for s in starts], ends]}
+    body.extend(b"\0" * (-len(body) % 8))
+    offset = len(body)
+    body.extend(ctypes.string_at(t.data_ptr(), 8 * n))
+    return {"q": offset}
+
+
+def _grid_of(size: tuple[int, ...], chunks: Sequence[ChunkStorageMetadata]) -> GridChunks | None:
+    """``chunks`` as a :class:`GridChunks` when they are exactly one, else None."""
+    if isinstance(chunks, GridChunks):
+        return chunks
+    n, nd = len(chunks), len(size)
+    if nd == 0:
+        return GridChunks(size, 0, 1, 1) if n == 1 else None
+    if n == 0 or any(chunks[0].offsets):
+        return None
+    if n == 1:
+        partial = [j for j in range(nd) if chunks[0].sizes[j] != size[j]]
+        if len(partial) > 1:
+            return None
+        dim = partial[0] if partial else 0
+        step = max(1, chunks[0].sizes[dim])
+    else:
+        moved = [j for j in range(nd) if chunks[1].offsets[j]]
+        if len(moved) != 1:
+            return None
+        dim = moved[0]
+        step = chunks[1].offsets[dim]
+    grid = GridChunks(size, dim, step, n)
+    if n > -(-size[dim] // step) + 1:
+        return None
+    for i, c in enumerate(chunks):
+        offsets, sizes = grid.box(i)
+        if tuple(c.offsets) != offsets or tuple(c.sizes) != sizes:
+            return None
+    return grid
+
+
+def _checksum_bits(value: str, prefix: str | None) -> tuple[int, str]:
+    """(the 64 bits, the prefix) of ``<prefix><16 lowercase hex digits>``."""
+    if not isinstance(value, str) or len(value) < 16:
+        raise _NotColumnar
+    head, digits = value[:-16], value[-16:]
+    if prefix is not None and head != prefix:
+        raise _NotColumnar
+    try:
+        bits = int(digits, 16)
+    except ValueError:
+        raise _NotColumnar from None
+    if f"{bits:016x}" != digits:
+        raise _NotColumnar
+    return bits, head
+
+
+def _signed(bits: int) -> int:
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+def _encode_v2(md: Metadata) -> bytes | None:
+    try:
+        return _encode_v2_or_raise(md)
+    except _NotColumnar:
+        return None
+
+
+def _encode_v2_or_raise(md: Metadata) -> bytes:
+    storage: Mapping[MetadataIndex, Any] | None = md.storage_data
+    columnar = storage if isinstance(storage, ColumnarLocations) else None
+    # Plain dicts: group the locations by key, then by chunk offsets (one pass).
+    by_key: dict[str, dict[tuple[int, ...] | None, Any]] = {}
+    if storage and columnar is None:
+        for idx, loc in storage.items():
+            by_key.setdefault(idx.fqn, {})[
+                None if idx.offset is None else tuple(idx.offset)] = loc
+    files: dict[str, int] = {}
+    if columnar is not None:
+        files = {f: i for i, f in enumerate(columnar.files)}
+    prefix: str | None = None
+    body = bytearray()
+    tensors: list[dict[str, Any]] = []
+    values: list[list[Any]] = []
+    for fqn, sm in md.state_dict_metadata.items():
+        if not isinstance(sm, TensorStorageMetadata):
+            continue
+        size = tuple(int(s) for s in sm.size)
+        entry: dict[str, Any] = {"fqn": fqn, "dtype": dtype_name(sm.properties.dtype),
+                                 "size": list(size)}
+        grid = _grid_of(size, sm.chunks)
+        chunks: GridChunks | ChunkTable
+        if grid is not None:
+            chunks = grid
+            entry["grid"] = [grid.dim, grid.step, grid.num_chunks]
+        else:
+            nd = len(size)
+            flat = [x for c in sm.chunks for x in (*c.offsets, *c.sizes)]
+            if len(flat) != 2 * nd * len(sm.chunks):
+                raise _NotColumnar
+            chunks = ChunkTable(size, len(sm.chunks), Column.packed(flat))
+            entry["count"] = len(sm.chunks)
+            entry["table"] = _column_spec(flat, body)
+        tensors.append(entry)
+        if columnar is not None:
+            t = columnar.tensors.get(fqn)
+            if t is None or t.chunks != chunks:
+                raise _NotColumnar
+            if prefix is not None and t.prefix != prefix:
+                raise _NotColumnar
+            prefix = t.prefix
+            entry["loc"] = {"file": _column_spec(t.file.to_tensor(), body),
+                            "pos": _column_spec(t.pos.to_tensor(), body),
+                            "sum": _column_spec(t.checksum.to_tensor(), body, arithmetic=False)}
+            continue
+        locs = by_key.pop(fqn, None)
+        if locs is None:
+            if storage:
+                raise _NotColumnar  # a tensor without stored bytes: format 1 says so as it is
+            continue
+        if len(locs) != len(chunks):
+            raise _NotColumnar
+        itemsize = sm.properties.dtype.itemsize
+        file_col, pos_col, sum_col = [], [], []
+        for i in range(len(chunks)):
+            offsets, sizes = chunks.box(i)
+            loc = locs.get(offsets)
+            if (not isinstance(loc, ItemLocation) or loc.enc != "raw"
+                    or loc.length != math.prod(sizes) * itemsize):
+                raise _NotColumnar
+            bits, prefix = _checksum_bits(loc.checksum, prefix)
+            file_col.append(files.setdefault(loc.file, len(files)))
+            pos_col.append(loc.offset)
+            sum_col.append(_signed(bits))
+        entry["loc"] = {"file": _column_spec(file_col, body), "pos": _column_spec(pos_col, body),
+                        "sum": _column_spec(sum_col, body, arithmetic=False)}
+    value_locs: Mapping[MetadataIndex, Any] = (
+        columnar.value_locations if columnar is not None else
+        {MetadataIndex(k): v[None] for k, v in by_key.items() if None in v})
+    for fqn, sm in md.state_dict_metadata.items():
+        if isinstance(sm, TensorStorageMetadata):
+            continue
+        loc = value_locs.get(MetadataIndex(fqn))
+        if loc is None:
+            values.append([fqn])
+            continue
+        if not isinstance(loc, ItemLocation):
+            raise _NotColumnar
+        values.append([fqn, files.setdefault(loc.file, len(files)), loc.offset, loc.length,
+                       loc.checksum, loc.enc])
+        by_key.pop(fqn, None)
+    if by_key:
+        raise _NotColumnar  # locations of keys the metadata does not hold
+    header: dict[str, Any] = {
+        "format": FORMAT, "version": 2, "dcp_version": md.version, "byteorder": sys.byteorder,
+        "files": list(files), "checksum_prefix": prefix or "", "tensors": tensors,
+        "values": values, "has_storage": storage is not None}
+    paths = _planner_paths(md.planner_data)
+    if paths is not None:
+        header["planner_data"] = paths
+    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    out = bytearray(MAGIC)
+    out += len(head).to_bytes(8, "little")
+    out += head
+    out += b"\0" * (-len(out) % 8)
+    out += body
+    return bytes(out)
+
+
+def _int(v: Any, what: str, lo: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+        raise ManifestError(f"{what} must be an int >= {lo}, got {v!r}")
+    return v
+
+
+def _column(spec: Any, n: int, body: bytearray, what: str, *, lo: int | None,
+            hi: int | None) -> Column:
+    """A column of ``n`` values from its header ``spec``; every value checked in [lo, hi)."""
+    if not isinstance(spec, dict) or len(spec) != 1:
+        raise ManifestError(f"bad column for {what}")
+    kind, arg = next(iter(spec.items()))
+    if kind == "c":
+        col = Column(n, "c", _int(arg, what, -(1 << 63)))
+        ends = [col[0]] if n else []
+    elif kind == "a":
+        if not isinstance(arg, list) or len(arg) != 2:
+            raise ManifestError(f"bad column for {what}")
+        start, step = (_int(x, what, -(1 << 63)) for x in arg)
+        col = Column(n, "a", start, step)
+        ends = [start, start + (n - 1) * step] if n else []
+    elif kind == "r":
+        if not isinstance(arg, list) or len(arg) != 2 or not all(
+                isinstance(x, list) for x in arg) or len(arg[0]) != len(arg[1]):
+            raise ManifestError(f"bad column for {what}")
+        vals = [_int(x, what, -(1 << 63)) for x in arg[0]]
+        run_ends = [_int(x, what, 1) for x in arg[1]]
+        if any(b <= a for a, b in itertools.pairwise(run_ends)) or (
+                run_ends[-1:] != [n]):
+            raise ManifestError(f"bad runs in the column for {what}")
+        col = Column(n, "r", vals, run_ends)
+        ends = vals
+    elif kind == "q":
+        offset = _int(arg, what)
+        if offset % 8 or offset + 8 * n > len(body):
+            raise ManifestError(f"column for {what} lies outside the metadata")
+        col = Column(n, "q", body, offset)
+        if n and (lo is not None or hi is not None):
+            t = torch.frombuffer(body, dtype=torch.int64, count=n, offset=offset)
+            ends = [int(t.min()), int(t.max())]
+        else:
+            ends = []
+    else:
+        raise ManifestError(f"bad column kind {kind!r} for {what}")
+    if ends and ((lo is not None and min(ends) < lo) or (hi is not None and max(ends) >= hi)):
+        raise ManifestError(f"a value of {what} is out of range")
+    return col
+
+
+def _swap_body(body: bytearray) -> None:
+    """Packed columns written on a host of the other byte order, in place."""
+    if len(body) < 8:
+        return
+    t = torch.frombuffer(body, dtype=torch.uint8)[:len(body) // 8 * 8].view(-1, 8)
+    t.copy_(t.flip(1))
+
+
+def _decode_v2(data: bytes) -> Metadata:
+    if len(data) < 16:
+        raise ManifestError("metadata header is truncated")
+    hlen = int.from_bytes(data[8:16], "little")
+    if 16 + hlen > len(data):
+        raise ManifestError("metadata header lies outside the file")
+    head = bytes(data[16:16 + hlen])
+    if len(head) <= _DEPTH_PRESCAN_BYTES:
+        check_json_depth(head, 16)
+    try:
+        doc = json.loads(head.decode("utf-8"))
+    except RecursionError as e:
+        raise ManifestError("metadata JSON is nested too deeply") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"metadata header is not valid JSON: {e}") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ManifestError("not ckptmgr DCP metadata")
+    if doc.get("version") != 2:
+        raise ManifestError(f"metadata version {doc.get('version')!r} is not supported by this "
+                            "ckptmgr (it reads versions 1 and 2): upgrade ckptmgr")
+    start = 16 + hlen + (-(16 + hlen) % 8)
+    # One writable copy of the columns: read in place, range-checked with torch.
+    body = bytearray(memoryview(data)[start:])
+    if doc.get("byteorder") not in ("little", "big"):
+        raise ManifestError(f"bad byteorder {doc.get('byteorder')!r}")
+    if doc["byteorder"] != sys.byteorder:
+        _swap_body(body)
+    files, tensors, values = doc.get("files"), doc.get("tensors"), doc.get("values")
+    prefix = doc.get("checksum_prefix")
+    if not isinstance(files, list) or not isinstance(tensors, list) or not isinstance(
+            values, list) or not isinstance(prefix, str):
+        raise ManifestError("metadata lacks files, tensors, values or checksum_prefix")
+    for name in files:
+        try:
+            check_file_name(name)
+        except (ValueError, TypeError) as e:
+            raise UnsafePathError(f"data file {name!r} escapes the step directory: {e}") from e
+    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    locs: dict[str, TensorLocations] = {}
+    for t in tensors:
+        if not isinstance(t, dict) or not isinstance(t.get("fqn"), str):
+            raise ManifestError("bad tensor entry")
+        fqn = t["fqn"]
+        if fqn in sdm:
+            raise ManifestError(f"tensor {fqn!r} appears twice")
+        size = tuple(_ints(t.get("size"), f"{fqn}.size"))
+        dtype = _dtype(t.get("dtype"))
+        chunks: GridChunks | ChunkTable
+        if "grid" in t:
+            g = t["grid"]
+            if not isinstance(g, list) or len(g) != 3:
+                raise ManifestError(f"bad chunk grid for {fqn!r}")
+            dim, step, count = (_int(x, f"{fqn} grid") for x in g)
+            if count < 1 or step < 1 or (size and (dim >= len(size) or count > -(
+                    -size[dim] // step) + 1)) or (not size and count != 1):
+                raise ManifestError(f"chunk grid of {fqn!r} lies outside the tensor")
+            chunks = GridChunks(size, dim, step, count)
+        else:
+            count = _int(t.get("count"), f"{fqn} count")
+            nd = len(size)
+            col = _column(t.get("table"), 2 * nd * count, body, f"{fqn} chunks", lo=0, hi=None)
+            if count and nd:
+                box = col.to_tensor().view(count, 2, nd)
+                if bool((box[:, 0, :] + box[:, 1, :] > torch.tensor(size)).any()):
+                    raise ManifestError(f"chunk of {fqn!r} lies outside the tensor")
+            chunks = ChunkTable(size, count, col)
+        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size),
+                                         cast(list[ChunkStorageMetadata], chunks))
+        loc = t.get("loc")
+        if loc is None:
+            continue
+        if not isinstance(loc, dict):
+            raise ManifestError(f"bad locations for {fqn!r}")
+        n = len(chunks)
+        locs[fqn] = TensorLocations(
+            chunks, dtype.itemsize,
+            _column(loc.get("file"), n, body, f"{fqn} files", lo=0, hi=len(files)),
+            _column(loc.get("pos"), n, body, f"{fqn} positions", lo=0, hi=None),
+            _column(loc.get("sum"), n, body, f"{fqn} checksums", lo=None, hi=None), prefix)
+    value_locs: dict[MetadataIndex, ItemLocation] = {}
+    for v in values:
+        if not isinstance(v, list) or not v or not isinstance(v[0], str) or v[0] in sdm:
+            raise ManifestError(f"bad value entry {v!r}"[:200])
+        fqn = v[0]
+        sdm[fqn] = BytesStorageMetadata()
+        if len(v) == 1:
+            continue
+        if len(v) != 6:
+            raise ManifestError(f"bad value entry for {fqn!r}")
+        fi = _int(v[1], f"{fqn} file")
+        if fi >= len(files):
+            raise ManifestError(f"value {fqn!r} names file {fi} of {len(files)}")
+        pos, length = _int(v[2], f"{fqn} position"), _int(v[3], f"{fqn} length")
+        if v[5] not in ENCODINGS or not isinstance(v[4], str):
+            raise ManifestError(f"bad encoding or checksum for {fqn!r}")
+        value_locs[MetadataIndex(fqn)] = ItemLocation(files[fi], pos, length, v[4], v[5])
+    dcp_version = doc.get("dcp_version")
+    planner_data = (_decode_planner_paths(doc["planner_data"]) if doc.get("planner_data")
+                    is not None else None)
+    storage_data = (ColumnarLocations(files, locs, value_locs) if doc.get("has_storage")
+                    else None)
     return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage_data,
                     version=dcp_version if isinstance(dcp_version, str) else None)

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from ckptmgr._arrivals import Arrivals, track
 from ckptmgr._values import is_representable
@@ -315,8 +315,12 @@ def prepare_restore(source: RestoreSource | StepStore, step: int, state_dict: Ma
     manifest, metadata = source.manifest, source.metadata
     _prime_unprimed_optimizers(state_dict, metadata)
     fs, spmd = _flatten(state_dict, planner)
-    pickle_keys = {idx.fqn for idx, loc in (metadata.storage_data or {}).items()
-                   if isinstance(loc, ItemLocation) and loc.enc == "pickle"}
+    # Only values can be pickled: look them up (iterating storage_data would visit every chunk).
+    stored = metadata.storage_data or {}
+    pickle_keys = {fqn for fqn, m in metadata.state_dict_metadata.items()
+                   if isinstance(m, BytesStorageMetadata)
+                   and isinstance(loc := stored.get(MetadataIndex(fqn)), ItemLocation)
+                   and loc.enc == "pickle"}
     report = compatibility_report(metadata, fs.flat, manifest.world_size,
                                   world_size=world_size, saved_mesh=manifest.mesh, step=step)
     missing, keys = list(report.missing), list(report.loadable)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import secrets
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,14 +51,16 @@ from ckptmgr.dcp.shards import StagedDTensor, coverage_problem
 from ckptmgr.errors import UnsafeCheckpointError
 
 __all__ = [
-    "CkptLoadPlanner", "CkptSavePlanner", "balance_replicated", "default_structure_key",
-    "flatten_like_dcp", "item_bytes", "metadata_bytes_estimate", "set_by_path",
+    "CkptLoadPlanner", "CkptSavePlanner", "PlanTokenError", "balance_replicated",
+    "default_structure_key", "flatten_like_dcp", "item_bytes", "metadata_bytes_estimate",
+    "plan_token", "set_by_path", "tagged_plan",
 ]
 
-# Bytes our JSON metadata spends per stored item (its storage entry with file name, position,
-# length, checksum and encoding, plus its share of the tensor entry), besides twice the key.
-# Measured on real metadata: 200-230 bytes for 1-D and 2-D tensors; a little over is harmless.
-_METADATA_BYTES_PER_ITEM = 215
+# Bytes our metadata (format 2) spends per key (its header entry: name, dtype, size, chunk grid,
+# column descriptions), besides the key itself, and per stored chunk (its packed checksum and
+# position, when they do not compress). Measured on real metadata: 90-110 per key.
+_METADATA_BYTES_PER_KEY = 100
+_METADATA_BYTES_PER_CHUNK = 16
 # Python values are tagged JSON of unknown size at planning time; most are a few dozen bytes.
 _VALUE_BYTES = 64
 # Plans kept per planner: two, so that states alternating between two layouts (say, a synchronous
@@ -82,12 +85,16 @@ def metadata_bytes_estimate(plans: list[SavePlan]) -> int:
     """About how many bytes the coordinator's metadata file takes for these (deduplicated or not)
     plans: it is counted in the coordinator's share of the writes."""
     seen: set[MetadataIndex] = set()
+    keys: set[str] = set()
     total = 0
     for plan in plans:
         for item in plan.items:
             if item.index not in seen:
                 seen.add(item.index)
-                total += _METADATA_BYTES_PER_ITEM + 2 * len(item.index.fqn)
+                total += _METADATA_BYTES_PER_CHUNK
+                if item.index.fqn not in keys:
+                    keys.add(item.index.fqn)
+                    total += _METADATA_BYTES_PER_KEY + len(item.index.fqn)
     return total
 
 
@@ -192,6 +199,36 @@ def _same_plans(a: list[SavePlan], b: list[SavePlan]) -> bool:
     return len(a) == len(b) and all(x is y or x == y for x, y in zip(a, b, strict=True))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tagged:
+    """``planner_data`` of a local plan sent whole: its id, and the planner data it carries."""
+
+    plan_id: str
+    data: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Token:
+    """``planner_data`` of a local plan sent as a token: "the plan I sent as ``plan_id``"."""
+
+    plan_id: str
+
+
+def tagged_plan(plan: SavePlan, plan_id: str) -> SavePlan:
+    """(all ranks) ``plan`` as sent whole, under ``plan_id`` (the coordinator remembers it)."""
+    return dataclasses.replace(plan, planner_data=_Tagged(plan_id, plan.planner_data))
+
+
+def plan_token(plan_id: str) -> SavePlan:
+    """(all ranks) The stand-in for the plan sent earlier as ``plan_id``: no items."""
+    return SavePlan([], planner_data=_Token(plan_id))
+
+
+class PlanTokenError(ValueError):
+    """The coordinator does not hold the plan a rank sent a token for (its cache was cleared):
+    this save fails, and every rank sends its whole plan in the next one."""
+
+
 class CkptSavePlanner(DefaultSavePlanner):
     """DCP's default save planning on a flat state dict, with :func:`balance_replicated` dedup and
     plan caching across saves (module docstring).
@@ -217,10 +254,19 @@ class CkptSavePlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=flatten_state_dict, flatten_sharded_tensors=True)
         self.local_plan_reuses = 0
         self.global_plan_reuses = 0
+        self.plan_tokens_sent = 0
         self._key: Any = None
-        # Newest first: (structure key, local plan) and (gathered plans, global plans, metadata).
+        # Newest first: (structure key, local plan as sent whole) and (gathered plans, their
+        # ids, global plans, metadata).
         self._local_cache: list[tuple[Any, SavePlan]] = []
-        self._global_cache: list[tuple[list[SavePlan], list[SavePlan], Metadata]] = []
+        self._global_cache: list[tuple[list[SavePlan], list[str | None], list[SavePlan],
+                                       Metadata]] = []
+        # Rank side: the id of the plan sent in the last save whose planning reached this rank
+        # (finish_plan), and of the plan sent in the save in progress.
+        self._delivered: str | None = None
+        self._sent: str | None = None
+        # Coordinator side: per rank, the whole plans behind the ids of its last two plannings.
+        self._known: list[dict[str, SavePlan]] = []
 
     def _structure_key(self, state_dict: Mapping[str, Any]) -> Any:
         """(all ranks) A comparable summary of everything this rank's local plan depends on, or
@@ -234,9 +280,15 @@ class CkptSavePlanner(DefaultSavePlanner):
         return default_structure_key(state_dict)
 
     def clear_plan_cache(self) -> None:
-        """Forget every cached plan (the next save plans afresh)."""
+        """Forget every cached plan (the next save plans afresh).
+
+        On the coordinator this also forgets the plans behind the ranks' tokens: clear every
+        rank's cache together (a rank that sends a token the coordinator no longer holds fails
+        that save with :class:`PlanTokenError`, then sends its whole plan)."""
         self._local_cache.clear()
         self._global_cache.clear()
+        self._known.clear()
+        self._delivered = self._sent = None
 
     def release_state(self) -> None:
         """Drop the references to the last saved state (the plans stay cached): a planner kept
@@ -251,7 +303,33 @@ class CkptSavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
     def create_local_plan(self) -> SavePlan:
-        """(all ranks) DCP's default local plan, or the cached one for an equal structure key."""
+        """(all ranks) DCP's default local plan, or the cached one for an equal structure key.
+
+        A reused plan that reached the coordinator in the last save goes as a token (a few
+        bytes: :func:`plan_token`) instead of all its items; a subclass that overrides this
+        method gets whole plans (it may add items to what this returns)."""
+        if self._sent is not None:  # the last save never reached finish_plan: resend whole
+            self._delivered = None
+        plan = self._local_plan()
+        tagged = plan.planner_data
+        if not isinstance(tagged, _Tagged):
+            self._sent = None
+            return plan
+        self._sent = tagged.plan_id
+        if (tagged.plan_id == self._delivered
+                and type(self).create_local_plan is CkptSavePlanner.create_local_plan):
+            self.plan_tokens_sent += 1
+            return plan_token(tagged.plan_id)
+        return plan
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        """(all ranks) The coordinator's plan for this rank; what this rank sent is now known
+        to it (the next unchanged plan goes as a token)."""
+        self._delivered, self._sent = self._sent, None
+        out: SavePlan = super().finish_plan(new_plan)
+        return out
+
+    def _local_plan(self) -> SavePlan:
         self._key = None
         if self.plan_cache:
             key = self._structure_key(self.state_dict)
@@ -267,6 +345,8 @@ class CkptSavePlanner(DefaultSavePlanner):
                     return cached_plan
         plan: SavePlan = super().create_local_plan()
         if self._key is not None:
+            plan = tagged_plan(plan, secrets.token_hex(8))
+            self.plan = plan
             self._local_cache.insert(0, (self._key, plan))
             del self._local_cache[_CACHED_PLANS:]
         return plan
@@ -295,10 +375,13 @@ class CkptSavePlanner(DefaultSavePlanner):
         Returns a fresh list and a fresh (shallow) copy of the metadata every time: the storage
         writer sets ``storage_data`` on it.
         """
+        all_plans, ids = self._resolve_tokens(all_plans)
         use_cache = self.plan_cache and self._key is not None
         if use_cache:
-            for i, (inputs, plans, metadata) in enumerate(self._global_cache):
-                if _same_plans(inputs, all_plans):
+            for i, (inputs, input_ids, plans, metadata) in enumerate(self._global_cache):
+                # Plans that came with the same ids are the same (O(1) a rank); others are
+                # compared item by item (a rank that planned again may have made an equal plan).
+                if (None not in ids and input_ids == ids) or _same_plans(inputs, all_plans):
                     self._global_cache.insert(0, self._global_cache.pop(i))
                     self.global_plan_reuses += 1
                     self.global_plan = list(plans)
@@ -307,10 +390,44 @@ class CkptSavePlanner(DefaultSavePlanner):
         balanced = balance_replicated(all_plans, metadata_bytes_estimate(all_plans))
         plans, metadata = self._global_plan(balanced)
         if use_cache:
-            self._global_cache.insert(0, (list(all_plans), list(plans),
+            self._global_cache.insert(0, (list(all_plans), ids, list(plans),
                                           dataclasses.replace(metadata)))
             del self._global_cache[_CACHED_PLANS:]
         return plans, metadata
+
+    def _resolve_tokens(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan],
+                                                                  list[str | None]]:
+        """(coordinator) Each rank's whole plan (tokens looked up, tags taken off) and the id
+        it came under (None: an untagged plan); remembers the ids of the last two plannings."""
+        if len(self._known) != len(all_plans):
+            self._known = [{} for _ in all_plans]
+        plans: list[SavePlan] = []
+        ids: list[str | None] = []
+        for rank, (plan, known) in enumerate(zip(all_plans, self._known, strict=True)):
+            data = plan.planner_data
+            if isinstance(data, _Token):
+                whole = known.get(data.plan_id)
+                if whole is None:
+                    raise PlanTokenError(
+                        f"rank {rank} sent a token for plan {data.plan_id}, which the "
+                        "coordinator does not hold (its plan cache was cleared or it restarted):"
+                        " this save fails; the next one sends whole plans")
+                plans.append(whole)
+                ids.append(data.plan_id)
+            elif isinstance(data, _Tagged):
+                whole = dataclasses.replace(plan, planner_data=data.data)
+                known.pop(data.plan_id, None)
+                known[data.plan_id] = whole
+                plans.append(whole)
+                ids.append(data.plan_id)
+            else:
+                plans.append(plan)
+                ids.append(None)
+            if ids[-1] is not None:
+                known[ids[-1]] = known.pop(ids[-1])  # newest last
+                while len(known) > _CACHED_PLANS:
+                    del known[next(iter(known))]
+        return plans, ids
 
 
 class CkptLoadPlanner(DefaultLoadPlanner):

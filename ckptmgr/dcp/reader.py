@@ -42,6 +42,7 @@ from ckptmgr._values import MAX_VALUE_BYTES, decode_value
 from ckptmgr.config import check_flag
 from ckptmgr.dcp._args import check_options, check_url
 from ckptmgr.dcp._bytes import Hasher, checksum, tensor_memoryview
+from ckptmgr.dcp._lazy_metadata import find_chunk
 from ckptmgr.dcp._metadata_json import MAX_METADATA_BYTES, ItemLocation, decode_metadata
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
 from ckptmgr.dcp.planner import CkptLoadPlanner
@@ -381,12 +382,8 @@ class CkptStorageReader(StorageReader):
         md = self.metadata.state_dict_metadata.get(fqn)
         if not isinstance(md, TensorStorageMetadata):
             raise self._corrupt(f"{fqn!r} is not a tensor in the metadata", loc.file)
-        chunk = None
         offsets = tuple(idx.offset) if idx.offset is not None else (0,) * len(md.size)
-        for c in md.chunks:
-            if tuple(c.offsets) == offsets:
-                chunk = c
-                break
+        chunk = find_chunk(md.chunks, offsets, idx.index)
         if chunk is None:
             raise self._corrupt(f"no chunk of {fqn!r} at offsets {list(offsets)}", loc.file)
         dtype = md.properties.dtype

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ckptmgr.dcp._lazy_metadata import find_chunk, overlapping_chunks, stored_volume
 from ckptmgr.dcp.shards import ShardedTensor, distinct_boxes
 
 __all__ = ["CompatibilityReport", "Reshard", "compatibility_report", "describe_mesh"]
@@ -194,11 +195,6 @@ def _local_chunks(value: torch.Tensor | ShardedTensor) -> list[ChunkStorageMetad
     return list(chunks)
 
 
-def _overlaps(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in
-               zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True))
-
-
 def _volume(sizes: Sequence[int]) -> int:
     n = 1
     for s in sizes:
@@ -211,14 +207,13 @@ def _reshard(key: str, value: torch.Tensor | ShardedTensor,
     local = _local_chunks(value)
     if local is None:
         return None
-    saved_chunks = list(saved.chunks)
-    exact = len(local) == 1 and any(
-        tuple(c.offsets) == tuple(local[0].offsets) and tuple(c.sizes) == tuple(local[0].sizes)
-        for c in saved_chunks)
-    if exact:
-        return None
-    sources = {i for lc in local if _volume(lc.sizes) > 0
-               for i, sc in enumerate(saved_chunks) if _overlaps(lc, sc)}
+    saved_chunks = saved.chunks
+    if len(local) == 1:
+        same = find_chunk(saved_chunks, tuple(local[0].offsets))
+        if same is not None and tuple(same.sizes) == tuple(local[0].sizes):
+            return None
+    sources = {i for lc in local
+               for i in overlapping_chunks(saved_chunks, tuple(lc.offsets), tuple(lc.sizes))}
     return Reshard(key, len(saved_chunks), len(local), len(sources))
 
 
@@ -271,7 +266,7 @@ def compatibility_report(metadata: Metadata, flat: Mapping[str, Any], saved_worl
                 bad = True
             if bad:
                 continue
-            stored = sum(_volume(c.sizes) for c in saved.chunks)
+            stored = stored_volume(saved.chunks)
             if stored < _volume(saved.size):
                 problems.append(f"{key}: the checkpoint stores {stored} of its "
                                 f"{_volume(saved.size)} elements (incomplete save)")
