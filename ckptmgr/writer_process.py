@@ -387,13 +387,10 @@ def _serve(conn: Connection) -> None:
     except BaseException as e:
         conn.send(("err", portable(e)))
         return
-    conn.send(("ready", os.getpid()))
     try:
+        conn.send(("ready", os.getpid()))
         while True:
-            try:
-                kind, payload = conn.recv()
-            except EOFError:
-                return
+            kind, payload = conn.recv()
             if kind == "arenas":
                 for arena, nbytes in payload:
                     writer.arenas[arena] = attach(reduction.recv_handle(conn), nbytes)
@@ -409,6 +406,8 @@ def _serve(conn: Connection) -> None:
                 conn.send(reply)
             elif kind == "close":
                 return
+    except (EOFError, OSError):  # the training process is gone: nothing more to do
+        return
     finally:
         writer.close()
 

@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra-mb", type=int, default=0, help="extra state, to make saves slower")
     p.add_argument("--no-exit", action="store_true",
                    help="exit_on_preemption=False: leave the loop via reached_preemption()")
+    p.add_argument("--async-mode", default="thread", choices=["thread", "process"],
+                   help="where background saves run (a thread, or a writer process per rank)")
     p.add_argument("--dist-init", default=None,
                    help="init_method for torch.distributed (default: torchrun's env://)")
     args = p.parse_args(argv)
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     state = {"model": model, "optim": optim, "extra": {"step": -1},
              "ballast": torch.zeros(args.extra_mb * (1 << 18))}
     mgr = ckptmgr.CheckpointManager(args.ckpt, save_interval=args.save_interval, max_to_keep=2,
-                                    exit_on_preemption=not args.no_exit)
+                                    exit_on_preemption=not args.no_exit,
+                                    async_mode=args.async_mode)
     start = 0
     if mgr.all_steps():
         ckptmgr.prime_optimizer(optim)

@@ -263,3 +263,36 @@ def test_off_main_thread_is_a_clear_error(local_root: str) -> None:
     t.join()
     assert ok == [None]
     assert ckptmgr.CheckpointManager  # the public name stays
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+                continue
+    return out
+
+
+@pytest.mark.slow
+def test_sigterm_to_trainer_and_writer_process(zygote: Zygote, local_root: str,
+                                               reference: dict[int, str]) -> None:
+    """async_mode="process": the signal reaches both processes (as SLURM's does); the writer
+    ignores it, the trainer takes the last checkpoint, closes the writer and exits 143."""
+    proc = _start(zygote, local_root, "--steps", "120", "--save-interval", "10",
+                  "--step-time", "0.02", "--async-mode", "process")
+    before = _read_until(proc, r"step 25 loss \S+")
+    writers = _children(proc.pid)
+    assert writers, "no writer process"
+    for pid in [proc.pid, *writers]:
+        os.kill(pid, signal.SIGTERM)
+    rc, lines, err = _finish(proc)
+    assert rc == 128 + signal.SIGTERM, err
+    last = max(_losses(before + lines))
+    assert _newest(local_root) == last
+    assert not [p for p in writers if os.path.exists(f"/proc/{p}")]  # closed and reaped
+    _resume_matches(zygote, local_root, reference, last)

@@ -1,0 +1,216 @@
+"""``async_mode="process"``: a persistent writer process per rank, with real processes and signals.
+
+Gates, not sleeps: a writer is held mid-save with SIGSTOP (it cannot move until SIGCONT), so "the
+writer dies during the save" is arranged, not guessed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _mp import run_ranks
+
+import ckptmgr
+from ckptmgr import AsyncSaveError, CheckpointManager, ConfigError
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="async_mode='process' needs Linux (memfd)")
+
+
+def _gone(pid: int) -> bool:
+    """The process ``pid`` exited (gone, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _wait_gone(pid: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not _gone(pid):
+        assert time.monotonic() < deadline, f"process {pid} is still alive"
+        time.sleep(0.02)
+
+
+def _state(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 16)).sum().backward()
+    optim.step()
+    return {"model": model, "optim": optim, "extra": {"epoch": 1, "tags": ["a", "b"]},
+            "big": torch.arange(100_000, dtype=torch.float64)}
+
+
+def _writer_pid(mgr: CheckpointManager) -> int:
+    pid = mgr._writer.pid  # type: ignore[union-attr]
+    assert pid is not None
+    return pid
+
+
+def test_round_trip_snapshot_retention_and_close(local_root: str) -> None:
+    state = _state()
+    mgr = CheckpointManager(local_root, save_interval=1, max_to_keep=2, async_mode="process")
+    pid = _writer_pid(mgr)
+    assert pid != os.getpid()
+    snapshots = {}
+    for step in range(4):
+        assert mgr.save_async(step, state)
+        snapshots[step] = state["big"].clone()
+        state["big"].add_(1.0)  # after save_async returned: must not reach the checkpoint
+        state["extra"]["epoch"] += 1
+    mgr.join()
+    assert mgr.all_steps() == [2, 3]  # retention ran in the writer process
+    stats = mgr.last_save_stats
+    assert stats is not None and stats.step == 3 and stats.bytes > 800_000
+    assert _writer_pid(mgr) == pid  # one persistent writer
+    mgr.close()
+    assert _gone(pid)  # close() leaves no process behind
+
+    fresh = _state(seed=1)
+    with CheckpointManager(local_root, save_interval=1) as reader:
+        assert reader.all_steps() == [2, 3]
+        reader.restore(3, fresh)
+    assert torch.equal(fresh["big"], snapshots[3])
+    assert fresh["extra"] == {"epoch": 4, "tags": ["a", "b"]}
+    for a, b in zip(fresh["model"].parameters(), _state()["model"].parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_writer_sigkilled_mid_save_is_reported_once_then_restarted(local_root: str) -> None:
+    state = _state()
+    with CheckpointManager(local_root, save_interval=1, async_mode="process") as mgr:
+        mgr.save_async(0, state)
+        mgr.join()
+        pid = _writer_pid(mgr)
+        os.kill(pid, signal.SIGSTOP)  # the gate: the writer cannot move
+        assert mgr.save_async(1, state)  # staged, handed over, not written
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(AsyncSaveError, match="killed by SIGKILL") as info:
+            mgr.save_async(2, state)
+        assert info.value.step == 1
+        assert mgr.all_steps() == [0]  # nothing of step 1 became visible
+        assert mgr.save_async(2, state)  # the failure was raised once; a new writer saves
+        mgr.join()
+        assert _writer_pid(mgr) != pid
+        assert mgr.all_steps() == [0, 2]
+    with CheckpointManager(local_root, save_interval=1, read_only=True) as reader:
+        assert reader.all_steps() == [0, 2]
+        reader.restore(2, _state(seed=3))
+
+
+def test_writer_dead_while_idle_is_restarted_silently(local_root: str,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    state = _state()
+    with CheckpointManager(local_root, save_interval=1, async_mode="process") as mgr:
+        pid = _writer_pid(mgr)
+        os.kill(pid, signal.SIGKILL)
+        _wait_gone(pid)
+        assert mgr.save_async(0, state)  # no save was lost: nothing to report
+        mgr.join()
+        assert mgr.all_steps() == [0]
+        assert _writer_pid(mgr) != pid
+    assert "writer process died" in caplog.text
+
+
+_PARENT = textwrap.dedent("""
+    import sys, torch, ckptmgr
+    root = sys.argv[1]
+    mgr = ckptmgr.CheckpointManager(root, save_interval=1, async_mode="process")
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    mgr.save(0, state)
+    print("writer", mgr._writer.pid, flush=True)
+    assert sys.stdin.readline().strip() == "go"
+    mgr.save_async(1, state)
+    print("queued", flush=True)
+    sys.stdin.readline()  # killed here
+""")
+
+
+def test_parent_sigkill_takes_the_writer_down_and_commits_nothing(local_root: str,
+                                                                   tmp_path: Path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(_PARENT)
+    with subprocess.Popen([sys.executable, str(script), local_root], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            line = proc.stdout.readline().split()
+            assert line[:1] == ["writer"], line
+            writer = int(line[1])
+            os.kill(writer, signal.SIGSTOP)  # the writer will hold step 1 when the parent dies
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            assert proc.stdout.readline().strip() == "queued"
+            proc.kill()
+            proc.wait()
+            os.kill(writer, signal.SIGCONT)
+            _wait_gone(writer)  # no orphan writer
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    with CheckpointManager(local_root, save_interval=1, read_only=True) as reader:
+        assert reader.all_steps() == [0]  # step 1 never became visible
+        out = {"w": torch.zeros(1 << 16)}
+        reader.restore(0, out)
+        assert torch.equal(out["w"], torch.arange(1 << 16, dtype=torch.float32))
+
+
+def _two_ranks(rank: int, world: int, root: str) -> list[int]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(4000.0).reshape(40, 100)
+    state = {"shard": torch.arange(1000.0), "extra": {"epoch": 5},  # DDP-style: replicated
+             "fsdp": distribute_tensor(full, mesh, [Shard(0)])}
+    mgr = CheckpointManager(root, save_interval=1, async_mode="process")
+    mgr.save_async(0, state)
+    mgr.save_async(1, state)
+    mgr.join()
+    if rank == 1:  # rank 1's writer dies during the save of step 2; rank 0's waits for it
+        os.kill(_writer_pid(mgr), signal.SIGSTOP)
+    mgr.save_async(2, state)
+    if rank == 1:
+        os.kill(_writer_pid(mgr), signal.SIGKILL)
+    dist.barrier()
+    try:
+        mgr.save_async(3, state)
+        raise AssertionError("the lost save was not reported")
+    except AsyncSaveError as e:
+        assert e.step == 2
+    assert mgr.save_async(3, state)  # new writers on both ranks
+    mgr.join()
+    steps = mgr.all_steps()
+    out = {"shard": torch.zeros(1000), "extra": {"epoch": -1},
+           "fsdp": distribute_tensor(torch.zeros(40, 100), mesh, [Shard(0)])}
+    mgr.restore(3, out)
+    assert torch.equal(out["shard"], state["shard"]) and out["extra"] == {"epoch": 5}
+    assert torch.equal(out["fsdp"].full_tensor(), full)
+    mgr.close()
+    return steps
+
+
+@pytest.mark.slow
+def test_two_ranks_writer_group_and_a_dead_writer(local_root: str) -> None:
+    results = run_ranks(_two_ranks, 2, local_root, timeout_s=120)
+    assert results == [[0, 1, 3], [0, 1, 3]]
+
+
+def test_bad_mode_and_xla_like_values_are_clear_errors(local_root: str) -> None:
+    with pytest.raises(ConfigError, match="async"):
+        CheckpointManager(local_root, save_interval=1, async_mode="fork")
+    cfg = ckptmgr.ManagerConfig.from_kwargs(path=local_root, save_interval=1,
+                                            async_mode="process")
+    assert cfg.async_.mode == "process"
