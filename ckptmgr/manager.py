@@ -305,11 +305,11 @@ class CheckpointManager:
         if isinstance(ready, bool):
             return ready
         staged = self._stager.stage(ready.prepared.flat)
-        if self._writer is not None:  # the writer process gets references and encoded values
-            staged = wire_items(staged, self._stager, trusted=ready.request.trusted)
+        wire = None if self._writer is None or ready.plan is None else wire_items(
+            staged, self._stager, trusted=ready.request.trusted)  # for the writer process
         blocking_s = time.perf_counter() - ready.request.t_call
         self._inflight_step = ready.request.step
-        self._queue.submit(lambda: self._write(ready, staged, self._worker, blocking_s),
+        self._queue.submit(lambda: self._write(ready, staged, self._worker, blocking_s, wire),
                            name=f"ckptmgr-save-{ready.request.step}")
         return True
 
@@ -518,11 +518,11 @@ class CheckpointManager:
         return True
 
     def _write(self, ready: _Ready, flat: dict[str, Any], comm: Comm,
-               blocking_s: float | None) -> None:
+               blocking_s: float | None, wire: dict[str, Any] | None = None) -> None:
         """(collective over ``comm``) Write, commit, apply retention, agree on the new steps.
 
         Runs on the caller's thread for ``save`` (``comm`` is the caller's) and on the worker
-        thread for ``save_async`` (the worker's).
+        thread for ``save_async`` (the worker's); ``wire``: the durable part runs in the writer.
         """
         plan, req = ready.plan, ready.request
         local_err = self._local.save(
@@ -533,8 +533,8 @@ class CheckpointManager:
             if local_err is not None:
                 raise local_err
             return
-        if self._writer is not None and comm is self._worker:  # in the writer process
-            out = self._writer.save(DurableJob(plan, req.trusted, flat, self._view.records,
+        if self._writer is not None and wire is not None:  # in the writer process
+            out = self._writer.save(DurableJob(plan, req.trusted, wire, self._view.records,
                                                sorted(self._view.foreign)),
                                     self._stager.take_retired())
         else:

@@ -214,3 +214,23 @@ def test_bad_mode_and_xla_like_values_are_clear_errors(local_root: str) -> None:
     cfg = ckptmgr.ManagerConfig.from_kwargs(path=local_root, save_interval=1,
                                             async_mode="process")
     assert cfg.async_.mode == "process"
+
+
+def test_local_tier_beside_the_writer_process(local_root: str, tmp_path: Path) -> None:
+    state = {"w": torch.arange(10.0), "extra": {"a": 1}}
+    with CheckpointManager(local_root, save_interval=4, local_path=str(tmp_path / "nvme"),
+                           local_interval=1, async_mode="process") as mgr:
+        for step in range(6):
+            state["w"].add_(1)
+            mgr.save_async(step, state)
+        mgr.join()
+        assert mgr.all_steps() == [0, 4, 5]
+        assert mgr.step_info(4).tiers == ("durable", "local")
+        assert mgr.step_info(5).tiers == ("local",)
+        out = {"w": torch.zeros(10), "extra": {"a": 0}}
+        mgr.restore(5, out)
+        assert torch.equal(out["w"], state["w"]) and out["extra"] == {"a": 1}
+    with CheckpointManager(local_root, save_interval=4, read_only=True) as reader:
+        out = {"w": torch.zeros(10), "extra": {"a": 0}}
+        reader.restore(4, out)  # the durable copy the writer process wrote
+        assert torch.equal(out["w"], torch.arange(10.0) + 5)
