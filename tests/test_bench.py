@@ -234,6 +234,56 @@ def test_direct_writer_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, si
     assert os.path.getsize(tmp_path / "f") == size
 
 
+@pytest.mark.parametrize("shift", [0, 64, 1000, 4095])
+def test_direct_writer_unbuffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                  shift: int) -> None:
+    """Writes from the caller's memory land at the offsets returned, between copied writes,
+    with zero padding only; several writes in flight, pieces larger than one write split."""
+    if not _direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    monkeypatch.setattr(local, "_DIRECT_BUF", 65536)
+    monkeypatch.setattr(local, "_DIRECT_MAX_WRITE", 3 * 4096)
+    from ckptmgr.dcp._bytes import tensor_memoryview
+
+    rng = torch.Generator().manual_seed(shift)
+    backing = torch.randint(0, 256, (400_000,), dtype=torch.uint8, generator=rng)
+    storage = LocalStorage(str(tmp_path))
+    w = storage.open_writer("f", size_hint=300_000)
+    assert isinstance(w, local._DirectWriter)
+    expected: list[tuple[int, bytes]] = []
+    pos = 0
+    for i, n in enumerate((100_000, 5, 8192, 70_001, 4096 * 9, 12_345)):
+        src = backing[shift + i * 7:shift + i * 7 + n]
+        w.write(b"ab" * i)  # copied bytes between the unbuffered ones
+        pos += 2 * i
+        start = w.write_unbuffered(tensor_memoryview(src), src)
+        assert pos <= start < pos + 4096
+        expected.append((start, bytes(src.numpy())))
+        pos = start + n
+    w.write(b"end")
+    w.commit()
+    blob = (tmp_path / "f").read_bytes()
+    assert len(blob) == pos + 3 and blob.endswith(b"end")
+    for start, data in expected:
+        assert blob[start:start + len(data)] == data
+
+
+def test_padded_file_checksum_covers_every_byte(local_root: str) -> None:
+    """The manifest's file checksum is of the whole file, padding included."""
+    from ckptmgr.dcp._bytes import checksum
+
+    state = {f"t{i}": torch.randn(300_000 + i) for i in range(5)}
+    with CheckpointManager(local_root, save_interval=1) as mgr:
+        mgr.save(1, state)
+        info = mgr.step_info(1)
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        mgr.restore(1, out)
+    for f in info.files:
+        data = (Path(local_root) / "1" / f.path).read_bytes()
+        assert len(data) == f.size and checksum(data) == f.checksum, f.path
+    assert all(torch.equal(state[k], out[k]) for k in state)
+
+
 def test_direct_writer_io_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if not _direct_supported(tmp_path):
         pytest.skip("no O_DIRECT on this file system")

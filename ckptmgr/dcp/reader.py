@@ -303,7 +303,10 @@ class CkptStorageReader(StorageReader):
             "step", step=self.manifest.step, path=path)
 
     def _location(self, index: MetadataIndex) -> ItemLocation:
-        loc = (self.metadata.storage_data or {}).get(index)
+        # Never ``storage_data or {}``: the truth test of format-2 metadata's lazy mapping
+        # counts every chunk, which made a restore quadratic in the number of tensors.
+        locations = self.metadata.storage_data
+        loc = None if locations is None else locations.get(index)
         if loc is None:
             raise self._corrupt(f"no stored bytes for {index.fqn!r} at {index.offset}",
                                 self.manifest.metadata_file)

@@ -73,6 +73,7 @@ _SMALL = 1 << 20
 _BATCH = 8 << 20
 _BATCH_ITEMS = 256
 _PIECE = 4 << 20
+_ZEROS = bytes(64 << 10)  # file padding before an item the storage aligned
 # A second stream only pays off with enough bytes for each (measured in docs/performance.md).
 _MIN_STREAM_BYTES = 256 << 20
 DEFAULT_NUM_THREADS = 1
@@ -390,6 +391,9 @@ class CkptStorageWriter(StorageWriter):
                 "CkptStorageWriter); nothing was written")
         writer = self.storage.open_writer(join(self.plan.write_dir, name), size_hint=nbytes)
         writev = writer.writev if isinstance(writer, VectoredWriter) else None
+        # Local direct I/O writes large items from their own memory (ckptmgr.storage.local).
+        unbuffered: Callable[[memoryview, Any], int] | None = getattr(
+            writer, "write_unbuffered", None)
         file_hash = Hasher()
         results: list[WriteResult] = []
         pending: list[memoryview] = []
@@ -438,11 +442,24 @@ class CkptStorageWriter(StorageWriter):
                 else:
                     flush()
                     h = Hasher()
-                    for off in range(0, n, _PIECE):
-                        piece = mv[off:off + _PIECE]
-                        h.update(piece)
-                        file_hash.update(piece)
-                        writer.write(piece)
+                    if unbuffered is not None and not mv.readonly:
+                        # Written from the tensor's own memory (no copy) while it is hashed
+                        # here; the writer may pad first to align it: the padding is file bytes.
+                        start = unbuffered(mv, owner)
+                        while pos < start:
+                            pad = _ZEROS[:start - pos]
+                            file_hash.update(pad)
+                            pos += len(pad)
+                        for off in range(0, n, _PIECE):
+                            piece = mv[off:off + _PIECE]
+                            h.update(piece)
+                            file_hash.update(piece)
+                    else:
+                        for off in range(0, n, _PIECE):
+                            piece = mv[off:off + _PIECE]
+                            h.update(piece)
+                            file_hash.update(piece)
+                            writer.write(piece)
                     item_sum = h.value()
                 results.append(WriteResult(index=item.index, size_in_bytes=n,
                                            storage_data=ItemLocation(name, pos, n, item_sum, enc)))
