@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor
 
 from ckptmgr._shm import ArenaSet
 from ckptmgr.dcp.shards import ShardedTensor, StagedDTensor, StagedShards
-from ckptmgr.errors import ConfigError
 
 __all__ = ["SaveQueue", "Stager"]
 
@@ -49,6 +48,7 @@ class Stager:
         # Shared staging (the writer process maps it): every buffer lies in one of ``arenas``.
         self.arenas = arenas
         self.retired: list[int] = []  # arenas dropped since the writer process last heard
+        self._warned_sharded = False
         self._buffers: dict[str, torch.Tensor] = {}
         self._pinned: set[str] = set()
         # Sharded tensors: one buffer per distinct box (replicas are not copied).
@@ -99,9 +99,12 @@ class Stager:
         keys, specs = [], []
         for key, value in flat.items():
             if isinstance(value, ShardedTensor):
-                raise ConfigError(f"state key {key!r} is an XLA sharded tensor: "
-                                  "async_mode='process' does not stage those yet; use "
-                                  "async_mode='thread' for XLA-SPMD states")
+                if not self._warned_sharded:
+                    self._warned_sharded = True
+                    log.warning("state key %r is an XLA sharded tensor: async_mode='process' "
+                                "writes tensors and DTensors; a state with XLA sharded tensors "
+                                "is saved from a thread of the training process", key)
+                continue
             src = value.to_local() if isinstance(value, DTensor) else value
             if not isinstance(src, torch.Tensor):
                 continue

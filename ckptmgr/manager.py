@@ -305,8 +305,8 @@ class CheckpointManager:
         if isinstance(ready, bool):
             return ready
         staged = self._stager.stage(ready.prepared.flat)
-        wire = None if self._writer is None or ready.plan is None else wire_items(
-            staged, self._stager, trusted=ready.request.trusted)  # for the writer process
+        wire = None if self._writer is None or ready.plan is None or ready.prepared.spmd else (
+            wire_items(staged, self._stager, trusted=ready.request.trusted))  # for the writer
         blocking_s = time.perf_counter() - ready.request.t_call
         self._inflight_step = ready.request.step
         self._queue.submit(lambda: self._write(ready, staged, self._worker, blocking_s, wire),

@@ -47,16 +47,16 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 
 from ckptmgr._async import Stager
 from ckptmgr._dist import Comm, portable
-from ckptmgr._shm import ArenaSet, ShmTensor, attach, view
+from ckptmgr._shm import ArenaSet, ShmTensor, attach, shared_staging_supported, view
 from ckptmgr.config import ManagerConfig
 from ckptmgr.dcp.checkpoint import SavePlanners
 from ckptmgr.dcp.shards import StagedDTensor
 from ckptmgr.dcp.writer import EncodedValue, encode_object
-from ckptmgr.errors import CkptmgrError, LeaseError, SaveError
+from ckptmgr.errors import CkptmgrError, ConfigError, LeaseError, SaveError
 from ckptmgr.lease import Lease, LeaseInfo
 from ckptmgr.policy import RetentionPolicy, StepRecord, build_policy
 from ckptmgr.step_store import CommitPlan, StepStore
-from ckptmgr.storage import open_storage
+from ckptmgr.storage import open_storage, split_scheme
 from ckptmgr.tiers import DurableOutcome, save_durable
 
 __all__ = ["DurableJob", "WriterProcess", "main", "retention_policy", "wire_items"]
@@ -160,6 +160,13 @@ class WriterProcess:
     """
 
     def __init__(self, cfg: ManagerConfig, arenas: ArenaSet) -> None:
+        if split_scheme(cfg.path)[0] == "memory":
+            raise ConfigError("async_mode='process' cannot write a memory:// root: that file "
+                              "system lives in one process, and the writer process would write "
+                              "into its own; use async_mode='thread' (the default) with memory://")
+        if not shared_staging_supported():
+            raise ConfigError("async_mode='process' needs Linux (anonymous shared memory, "
+                              "memfd_create); use async_mode='thread' on this platform")
         self._cfg = cfg
         self._arenas = arenas
         self._proc: subprocess.Popen[bytes] | None = None

@@ -208,9 +208,11 @@ def test_two_ranks_writer_group_and_a_dead_writer(local_root: str) -> None:
     assert results == [[0, 1, 3], [0, 1, 3]]
 
 
-def test_bad_mode_and_xla_like_values_are_clear_errors(local_root: str) -> None:
+def test_bad_mode_and_memory_root_are_clear_errors(local_root: str) -> None:
     with pytest.raises(ConfigError, match="async"):
         CheckpointManager(local_root, save_interval=1, async_mode="fork")
+    with pytest.raises(ConfigError, match="memory://"):
+        CheckpointManager("memory://run", save_interval=1, async_mode="process")
     cfg = ckptmgr.ManagerConfig.from_kwargs(path=local_root, save_interval=1,
                                             async_mode="process")
     assert cfg.async_.mode == "process"
@@ -234,3 +236,19 @@ def test_local_tier_beside_the_writer_process(local_root: str, tmp_path: Path) -
         out = {"w": torch.zeros(10), "extra": {"a": 0}}
         reader.restore(4, out)  # the durable copy the writer process wrote
         assert torch.equal(out["w"], torch.arange(10.0) + 5)
+
+
+def test_xla_sharded_state_is_saved_from_a_thread(local_root: str,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    from ckptmgr.dcp.shards import CpuShardedTensor
+
+    full = torch.arange(24.0).reshape(6, 4)
+    state = {"w": CpuShardedTensor(full, (2, 2), (0, 1)), "plain": torch.ones(3)}
+    with CheckpointManager(local_root, save_interval=1, async_mode="process") as mgr:
+        assert mgr.save_async(0, state)
+        mgr.join()
+        assert mgr.all_steps() == [0]
+        out = {"w": CpuShardedTensor(torch.zeros(6, 4), (4,), (0, None)), "plain": torch.zeros(3)}
+        mgr.restore(0, out)
+    assert torch.equal(out["w"].to_full(), full) and torch.equal(out["plain"], torch.ones(3))
+    assert "saved from a thread of the training process" in caplog.text
