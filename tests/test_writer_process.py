@@ -6,6 +6,7 @@ writer dies during the save" is arranged, not guessed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,6 +22,7 @@ from _mp import run_ranks
 
 import ckptmgr
 from ckptmgr import AsyncSaveError, CheckpointManager, ConfigError
+from ckptmgr.errors import LeaseError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="async_mode='process' needs Linux (memfd)")
@@ -252,3 +254,24 @@ def test_xla_sharded_state_is_saved_from_a_thread(local_root: str,
         mgr.restore(0, out)
     assert torch.equal(out["w"].to_full(), full) and torch.equal(out["plain"], torch.ones(3))
     assert "saved from a thread of the training process" in caplog.text
+
+
+def test_writer_commits_only_while_the_trainer_holds_the_lease(local_root: str) -> None:
+    state = _state()
+    mgr = CheckpointManager(local_root, save_interval=1, async_mode="process")
+    try:
+        mgr.save_async(0, state)
+        mgr.join()
+        pid = _writer_pid(mgr)
+        os.kill(pid, signal.SIGSTOP)  # hold the save of step 1 until the lease has moved
+        assert mgr.save_async(1, state)
+        other = CheckpointManager(local_root, save_interval=1, take_over=True)
+        os.kill(pid, signal.SIGCONT)
+        with pytest.raises(AsyncSaveError) as info:
+            mgr.join()
+        assert isinstance(info.value.__cause__, LeaseError)
+        assert other.all_steps() == [0]  # the fenced writer made nothing visible
+        other.close()
+    finally:
+        with contextlib.suppress(ckptmgr.CkptmgrError):
+            mgr.close()
