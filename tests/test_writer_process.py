@@ -275,3 +275,40 @@ def test_writer_commits_only_while_the_trainer_holds_the_lease(local_root: str) 
     finally:
         with contextlib.suppress(ckptmgr.CkptmgrError):
             mgr.close()
+
+
+def _kib(pid: int | str, field: str, file: str = "status") -> int:
+    with open(f"/proc/{pid}/{file}") as f:
+        return sum(int(line.split()[1]) for line in f if line.split(":")[0] in field.split("+"))
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_memory_is_bounded_and_flat_over_20_saves(local_root: str, mode: str) -> None:
+    mib = 1 << 20
+    state = {f"t{i}": torch.rand(1 << 20) for i in range(16)}  # 64 MiB
+    nbytes = 64 * mib
+    with CheckpointManager(local_root, save_interval=1, max_to_keep=1, async_mode=mode) as mgr:
+        mgr.save_async(0, state)  # imports, pools and the staging buffers reach their size
+        mgr.join()
+        base = _kib("self", "VmRSS") * 1024 - nbytes  # the staging buffers are extra memory
+        writer = mgr._writer.pid if mgr._writer is not None else None
+        w_base = _kib(writer, "Private_Clean+Private_Dirty", "smaps_rollup") if writer else 0
+        peaks, w_peaks = [], []
+        for step in range(1, 21):
+            if step == 10:  # a changed shape: its buffer is replaced, the old arena retired
+                state["t0"] = torch.rand(1 << 19)
+            for t in state.values():
+                t.add_(1.0)
+            mgr.save_async(step, state)
+            mgr.join()
+            peaks.append(_kib("self", "VmHWM") * 1024)
+            if writer:
+                w_peaks.append(_kib(writer, "Private_Clean+Private_Dirty", "smaps_rollup"))
+        assert mgr.all_steps() == [20]
+        assert mgr._writer is None or mgr._writer.pid == writer
+    # The training process: staging (1x) plus at most 0.15x, flat (no buffer or arena leaks).
+    extra = max(peaks) - base
+    assert extra <= 1.15 * nbytes, f"{mode}: {extra / nbytes:.2f}x the state"
+    assert peaks[-1] - peaks[4] <= 0.1 * nbytes
+    if w_peaks:  # the writer's own memory (the arena is shared, not private) does not grow
+        assert (max(w_peaks) - w_base) * 1024 <= 0.1 * nbytes
