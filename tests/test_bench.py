@@ -312,8 +312,10 @@ def test_benchmark_end_to_end(tmp_path: Path) -> None:
     bench = _bench()
     out = tmp_path / "out"
     # A smoke run: every measure is made and reported; the payload size is not the point.
+    methods = [m for m in bench.ALL_METHODS if m != "async_modes"]  # next test: writer processes
     doc = bench.main(["--size", "1MiB", "--count", "8", "--reps", "1", "--warmup", "0",
-                      "--dir", str(tmp_path), "--out", str(out), "--compute-min-s", "0.1"])
+                      "--dir", str(tmp_path), "--out", str(out), "--compute-min-s", "0.1",
+                      "--methods", ",".join(methods)])
     names = {r["name"] for r in doc["rows"]}
     for name in ("floor.copy", "floor.write", "floor.read", "torch.save", "torch.load",
                  "dcp.save", "dcp.load", "dcp_async.blocking", "dcp_async.total",
@@ -332,6 +334,29 @@ def test_benchmark_end_to_end(tmp_path: Path) -> None:
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench.png").stat().st_size > 0
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # scratch data removed
+
+
+def test_benchmark_async_modes(tmp_path: Path) -> None:
+    """Issue 19 item 5's rows: ckptmgr's process and thread modes and DCP's thread and process
+    async_save under the compute loop, each writer process warmed first; none is left running."""
+    import torch.distributed as dist
+
+    bench = _bench()
+    doc = bench.main(["--size", "1MiB", "--count", "8", "--reps", "1", "--warmup", "0",
+                      "--dir", str(tmp_path), "--compute-min-s", "0.1",
+                      "--methods", "floors,async_modes"])
+    names = {r["name"] for r in doc["rows"]}
+    for mode in bench.ASYNC_MODES:
+        assert {f"compute_lost.{mode}", f"blocked.{mode}", f"bg_total.{mode}"} <= names, mode
+    assert {t["target"] for t in doc["targets"]} >= {
+        "process mode: compute lost <= 0.5x DCP's process mode",
+        "process mode: compute lost <= 0.25x DCP's thread mode",
+        "process mode: blocking <= 1.2x warm copy"}
+    assert not dist.is_initialized()  # the bench's 1-rank group is gone
+    from torch.distributed.checkpoint import _async_process_executor as dcp_process
+
+    assert dcp_process._CHECKPOINT_PROCESS is None
+    assert list(tmp_path.iterdir()) == []
 
 
 def _depth_reference(data: bytes, limit: int) -> bool:
