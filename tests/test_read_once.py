@@ -86,3 +86,46 @@ def _odd_dtypes(rank: int, world: int, root: str) -> bool:
 
 def test_dtypes_gloo_cannot_broadcast_are_shared_as_bytes(tmp_path: Any) -> None:
     assert run_ranks(_odd_dtypes, 2, str(tmp_path / "run"), timeout_s=120) == [True, True]
+
+
+def _hsdp(rank: int, world: int, root: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import ckptmgr
+
+    # HSDP on a 2x2 mesh: dim 0 replicates, dim 1 shards; ranks 0 and 2 hold the same shard,
+    # ranks 1 and 3 the other. A third kind: a DTensor replicated on the whole mesh.
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    full = {str(i): torch.arange(_SIZE, dtype=torch.float32) + i for i in range(_N)}
+
+    def state(src: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {"model": {k: distribute_tensor(v, mesh, [Replicate(), Shard(0)])
+                          for k, v in src.items()},
+                "everywhere": distribute_tensor(src["0"][:1024].clone(), mesh,
+                                                [Replicate(), Replicate()])}
+
+    class Bytes:
+        nbytes = -1
+
+        def on_restore_end(self, step: int, nbytes: int, seconds: float) -> None:
+            self.nbytes = nbytes
+
+    with ckptmgr.CheckpointManager(root, save_interval=1) as mgr:
+        mgr.save(1, state(full))
+        listener = Bytes()
+        mgr.add_listener(listener)
+        target = state({k: torch.zeros(_SIZE) for k in full})
+        mgr.restore(1, target)
+        ok = all(torch.equal(target["model"][k].full_tensor(), v) for k, v in full.items())
+        ok = ok and torch.equal(target["everywhere"].to_local(), full["0"][:1024])
+        return {"ok": ok, "read": listener.nbytes}
+
+
+def test_hsdp_replicas_read_each_shard_once(tmp_path: Any) -> None:
+    results = run_ranks(_hsdp, 4, str(tmp_path / "run"), timeout_s=180)
+    assert all(r["ok"] for r in results), results
+    reads = [r["read"] for r in results]
+    tensor_bytes = _N * _SIZE * 4 + 1024 * 4
+    assert sum(reads) == tensor_bytes, (reads, tensor_bytes)  # each shard once, not twice
+    assert max(reads) <= 1.1 * min(reads), reads

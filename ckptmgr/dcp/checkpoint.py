@@ -365,13 +365,13 @@ def load_step(prepared: PreparedRestore, store: StepStore, step: int, *, rank: i
     track(reader, arrivals, {"prepare_local_plan": ("restore", "restore"),
                              "prepare_global_plan": ("", None), "read_data": ("restore", None)})
     try:
-        # Replicated tensors are read by one rank each and broadcast (dcp.shared_reads).
-        owners = {} if prepared.spmd else plan_shared_reads(
-            wanted, prepared.metadata, world_size=world_size, group=group)
-        flat = {k: v for k, v in wanted.items() if owners.get(k, rank) == rank}
+        # Replicated state is read by one holder each and sent to the others (dcp.shared_reads).
+        shares = {} if prepared.spmd else plan_shared_reads(
+            wanted, prepared.metadata, rank=rank, world_size=world_size, group=group)
+        flat = {k: v for k, v in wanted.items() if k not in shares or shares[k].reader == rank}
         with retry_budget():
             dcp_load(flat, reader, planner, group)
-        share_reads(wanted, owners, group=group)
+        share_reads(wanted, shares, rank=rank, world_size=world_size, group=group)
     except CheckpointException as e:
         raise_load_failure(e, rank=rank, world_size=world_size, step=step,
                            what=f"restore of step {step}")
