@@ -27,6 +27,7 @@ applies retention. It never unpickles a user object: values arrive encoded.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import select
@@ -41,6 +42,7 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
+import fsspec.config
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
@@ -112,6 +114,7 @@ class _Spec:
     lease: LeaseInfo | None
     timeout_s: float
     log_level: int
+    fsspec_conf: dict[str, Any]  # the trainer's fsspec configuration (set in code, e.g. for gs)
 
 
 def wire_items(staged: dict[str, Any], stager: Stager, *, trusted: bool) -> dict[str, Any]:
@@ -220,7 +223,8 @@ class WriterProcess:
             self._rendezvous = comm.broadcast(addr)
         info = lease.info if lease is not None else None
         spec = _Spec(self._cfg, comm.rank, comm.world_size, self._rendezvous, self._generation,
-                     info, comm.arrivals.timeout_s, log.getEffectiveLevel())
+                     info, comm.arrivals.timeout_s, log.getEffectiveLevel(),
+                     copy.deepcopy(dict(fsspec.config.conf)))
         parent, child = socket.socketpair()
         life_r, life_w = os.pipe()
         env = dict(os.environ)
@@ -336,6 +340,7 @@ class _Writer:
         for sig in cfg.preemption.signals:  # the training process decides about preemption
             signal.signal(sig, signal.SIG_IGN)
         self.parent = os.getppid()
+        fsspec.config.conf.update(spec.fsspec_conf)  # the storage is configured as the trainer's
         self.store = StepStore(open_storage(cfg.path, cfg.storage.options, writable=True))
         self.policy = retention_policy(cfg)
         self.lease = Lease.follow(self.store.storage, spec.lease) if spec.lease else None

@@ -312,3 +312,19 @@ def test_memory_is_bounded_and_flat_over_20_saves(local_root: str, mode: str) ->
     assert peaks[-1] - peaks[4] <= 0.1 * nbytes
     if w_peaks:  # the writer's own memory (the arena is shared, not private) does not grow
         assert (max(w_peaks) - w_base) * 1024 <= 0.1 * nbytes
+
+
+@pytest.mark.parametrize("root", ["s3", "gcs"], indirect=True)
+def test_object_stores_from_the_writer_process(root: str) -> None:
+    """The writer opens the bucket as the trainer does: environment (s3fs) and fsspec's
+    configuration set in code (gcsfs here) both reach it."""
+    state = _state()
+    with CheckpointManager(root, save_interval=1, max_to_keep=1, async_mode="process",
+                           overwrite=True) as mgr:
+        for step in (0, 1, 1):
+            mgr.save_async(step, state, force=True)
+        mgr.join()
+        assert mgr.all_steps() == [1]
+        out = _state(seed=2)
+        mgr.restore(1, out)
+    assert torch.equal(out["big"], state["big"])

@@ -543,7 +543,13 @@ class FsspecStorage:
         return self._call("exists", path, _exists)
 
     def size(self, path: str) -> int:
-        return int(self._call("stat", path, lambda: self.fs.size(self.full(path))))
+        def _size() -> int:
+            # Never from a cached listing: another process (a writer process, another job) may
+            # have written the object since this client listed its directory.
+            self._invalidate()
+            return int(self.fs.size(self.full(path)))
+
+        return self._call("stat", path, _size)
 
     def _read_range(self, path: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``path`` in one ranged read (retried)."""
