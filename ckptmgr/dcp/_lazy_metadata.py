@@ -50,13 +50,14 @@ class ItemLocation:
 
 class Column:
     """A read-only column of ``n`` int64 values: a constant, an arithmetic run, runs of equal
-    values, or packed native-order int64 (a slice of a bytearray, read in place)."""
+    values, or packed native-order int64 (read in place from a bytearray or a read-only buffer
+    such as the metadata file's bytes)."""
 
     __slots__ = ("_view", "a", "b", "kind", "n")
 
     def __init__(self, n: int, kind: str, a: Any, b: Any = None) -> None:
         # kind "c": a = value; "a": a = start, b = step; "r": a = values, b = run ends
-        # (cumulative, the last == n); "q": a = bytearray, b = byte offset of the n values.
+        # (cumulative, the last == n); "q": a = buffer, b = byte offset of the n values.
         self.n, self.kind, self.a, self.b = n, kind, a, b
         self._view: Any = None
 
@@ -95,11 +96,19 @@ class Column:
             return torch.tensor(self.a, dtype=torch.int64).repeat_interleave(counts)
         if self.n == 0:
             return torch.zeros(0, dtype=torch.int64)
-        out: torch.Tensor = torch.frombuffer(self.a, dtype=torch.int64, count=self.n,
-                                             offset=self.b)
+        buf = self.a
+        offset = self.b
+        if not isinstance(buf, bytearray):  # read-only memory: torch wants a writable buffer
+            buf, offset = bytearray(memoryview(buf)[offset:offset + 8 * self.n]), 0
+        out: torch.Tensor = torch.frombuffer(buf, dtype=torch.int64, count=self.n,
+                                             offset=offset)
         return out
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self.kind == "q" and not isinstance(self.a, bytearray):
+            # A view of the metadata file's bytes: pickle only this column's.
+            return (Column, (self.n, "q", bytearray(
+                memoryview(self.a)[self.b:self.b + 8 * self.n]), 0))
         return (Column, (self.n, self.kind, self.a, self.b))
 
 
@@ -144,6 +153,13 @@ class _ChunkSeq(Sequence[ChunkStorageMetadata]):
         raise NotImplementedError
 
     def __eq__(self, other: object) -> bool:
+        if other is self:
+            return True
+        if isinstance(self, GridChunks) and isinstance(other, GridChunks):
+            return (self.size, self.dim, self.step, self.num_chunks) == (
+                other.size, other.dim, other.step, other.num_chunks) or (
+                len(self) == len(other) and all(
+                    self.box(i) == other.box(i) for i in range(len(self))))
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
             return NotImplemented
         return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))

@@ -455,7 +455,7 @@ def _int(v: Any, what: str, lo: int = 0) -> int:
     return v
 
 
-def _column(spec: Any, n: int, body: bytearray, what: str, *, lo: int | None,
+def _column(spec: Any, n: int, body: bytearray | memoryview, what: str, *, lo: int | None,
             hi: int | None) -> Column:
     """A column of ``n`` values from its header ``spec``; every value checked in [lo, hi)."""
     if not isinstance(spec, dict) or len(spec) != 1:
@@ -487,7 +487,7 @@ def _column(spec: Any, n: int, body: bytearray, what: str, *, lo: int | None,
             raise ManifestError(f"column for {what} lies outside the metadata")
         col = Column(n, "q", body, offset)
         if n and (lo is not None or hi is not None):
-            t = torch.frombuffer(body, dtype=torch.int64, count=n, offset=offset)
+            t = col.to_tensor()
             ends = [int(t.min()), int(t.max())]
         else:
             ends = []
@@ -527,11 +527,13 @@ def _decode_v2(data: bytes) -> Metadata:
         raise ManifestError(f"metadata version {doc.get('version')!r} is not supported by this "
                             "ckptmgr (it reads versions 1 and 2): upgrade ckptmgr")
     start = 16 + hlen + (-(16 + hlen) % 8)
-    # One writable copy of the columns: read in place, range-checked with torch.
-    body = bytearray(memoryview(data)[start:])
+    # The columns are read in place (no copy: most of the bytes are checksums, read only for
+    # the chunks a rank restores); a column whose values are bounded is range-checked here.
     if doc.get("byteorder") not in ("little", "big"):
         raise ManifestError(f"bad byteorder {doc.get('byteorder')!r}")
+    body: bytearray | memoryview = memoryview(data)[start:]
     if doc["byteorder"] != sys.byteorder:
+        body = bytearray(body)
         _swap_body(body)
     files, tensors, values = doc.get("files"), doc.get("tensors"), doc.get("values")
     prefix = doc.get("checksum_prefix")
