@@ -58,6 +58,17 @@ def _job_id() -> str | None:
     return None
 
 
+def _pid_namespace() -> str | None:
+    """This process's PID namespace and boot (Linux), None elsewhere: equal only for processes
+    whose pids can be compared."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f"{ns}@{f.read().strip()}"
+    except OSError:
+        return None
+
+
 def ttl_from_env() -> float:
     """The lease time to live: ``CKPTMGR_LEASE_TTL_S`` if set (a number > 0), else 60 s."""
     raw = os.environ.get("CKPTMGR_LEASE_TTL_S")
@@ -82,6 +93,7 @@ class LeaseInfo:
     job: str | None
     since: float
     expires: float
+    pid_ns: str | None = None  # the holder's PID namespace (Linux); None where unknown
 
     def describe(self) -> str:
         job = f", job {self.job}" if self.job else ""
@@ -92,6 +104,9 @@ class LeaseInfo:
         """Same host and the process is gone; or this process, and the lease object that held
         it was released or garbage-collected (its manager is gone)."""
         if self.host != socket.gethostname():
+            return False
+        if self.pid_ns is None or self.pid_ns != _pid_namespace():
+            # Containers can share a host name; a pid means something only in its namespace.
             return False
         if self.pid == os.getpid():
             with _HELD_LOCK:
@@ -111,7 +126,8 @@ class LeaseInfo:
             doc = json.loads(data)
             return cls(id=str(doc["id"]), host=str(doc["host"]), pid=int(doc["pid"]),
                        job=None if doc.get("job") is None else str(doc["job"]),
-                       since=float(doc["since"]), expires=float(doc["expires"]))
+                       since=float(doc["since"]), expires=float(doc["expires"]),
+                       pid_ns=None if doc.get("pid_ns") is None else str(doc["pid_ns"]))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -320,7 +336,8 @@ class Lease:
     def _new_info(self) -> LeaseInfo:
         now = time.time()
         return LeaseInfo(id=secrets.token_hex(8), host=socket.gethostname(), pid=os.getpid(),
-                         job=_job_id(), since=now, expires=now + self.ttl_s)
+                         job=_job_id(), since=now, expires=now + self.ttl_s,
+                         pid_ns=_pid_namespace())
 
     @staticmethod
     def _encode(info: LeaseInfo) -> bytes:

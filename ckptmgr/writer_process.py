@@ -27,7 +27,6 @@ applies retention. It never unpickles a user object: values arrive encoded.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import select
@@ -42,7 +41,6 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
-import fsspec.config
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]
@@ -58,7 +56,13 @@ from ckptmgr.errors import CkptmgrError, ConfigError, LeaseError, SaveError
 from ckptmgr.lease import Lease, LeaseInfo
 from ckptmgr.policy import RetentionPolicy, StepRecord, build_policy
 from ckptmgr.step_store import CommitPlan, StepStore
-from ckptmgr.storage import open_storage, split_scheme
+from ckptmgr.storage import (
+    ClientConfig,
+    apply_client_config,
+    client_config,
+    open_storage,
+    split_scheme,
+)
 from ckptmgr.tiers import DurableOutcome, save_durable
 
 __all__ = ["DurableJob", "WriterProcess", "main", "retention_policy", "wire_items"]
@@ -114,7 +118,7 @@ class _Spec:
     lease: LeaseInfo | None
     timeout_s: float
     log_level: int
-    fsspec_conf: dict[str, Any]  # the trainer's fsspec configuration (set in code, e.g. for gs)
+    fsspec_conf: ClientConfig  # the trainer's fsspec configuration (set in code, e.g. for gs)
 
 
 def wire_items(staged: dict[str, Any], stager: Stager, *, trusted: bool) -> dict[str, Any]:
@@ -224,7 +228,7 @@ class WriterProcess:
         info = lease.info if lease is not None else None
         spec = _Spec(self._cfg, comm.rank, comm.world_size, self._rendezvous, self._generation,
                      info, comm.arrivals.timeout_s, log.getEffectiveLevel(),
-                     copy.deepcopy(dict(fsspec.config.conf)))
+                     client_config())
         parent, child = socket.socketpair()
         life_r, life_w = os.pipe()
         env = dict(os.environ)
@@ -340,7 +344,7 @@ class _Writer:
         for sig in cfg.preemption.signals:  # the training process decides about preemption
             signal.signal(sig, signal.SIG_IGN)
         self.parent = os.getppid()
-        fsspec.config.conf.update(spec.fsspec_conf)  # the storage is configured as the trainer's
+        apply_client_config(spec.fsspec_conf)  # the storage is configured as the trainer's
         self.store = StepStore(open_storage(cfg.path, cfg.storage.options, writable=True))
         self.policy = retention_policy(cfg)
         self.lease = Lease.follow(self.store.storage, spec.lease) if spec.lease else None

@@ -212,3 +212,28 @@ def test_bad_lease_ttl_is_a_config_error(local_root: str, monkeypatch: pytest.Mo
     # A reader takes no lease, so it does not care.
     with CheckpointManager(local_root, save_interval=1, read_only=True) as reader:
         assert reader.all_steps() == []
+
+
+@pytest.mark.parametrize("same_namespace", [True, False])
+def test_a_dead_pid_is_provably_dead_only_in_our_pid_namespace(local_root: str,
+                                                                 same_namespace: bool) -> None:
+    """Containers on one host can share a host name: a pid that is gone here may be alive in
+    another PID namespace, so only a holder of our namespace (and boot) is provably dead."""
+    import subprocess
+
+    from ckptmgr.lease import _pid_namespace
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # a pid that no longer exists here
+    os.makedirs(local_root)
+    now = time.time()
+    ns = _pid_namespace() if same_namespace else "pid:[4026531999]@another-container"
+    with open(os.path.join(local_root, LEASE_NAME), "w") as f:
+        json.dump({"id": "0123456789abcdef", "host": socket.gethostname(), "pid": proc.pid,
+                   "job": None, "since": now, "expires": now + 600, "pid_ns": ns}, f)
+    if same_namespace:
+        with CheckpointManager(local_root, save_interval=1) as mgr:  # taken over
+            mgr.save(0, {"w": torch.ones(2)})
+    else:
+        with pytest.raises(LeaseError, match="expires in"):
+            CheckpointManager(local_root, save_interval=1)

@@ -31,6 +31,7 @@ from ckptmgr.storage.local import LocalStorage
 
 __all__ = [
     "AtomicRename",
+    "ClientConfig",
     "FsspecStorage",
     "LocalStorage",
     "RangeReader",
@@ -38,6 +39,8 @@ __all__ = [
     "RootEntry",
     "Storage",
     "StorageWriter",
+    "apply_client_config",
+    "client_config",
     "VectoredWriter",
     "is_not_found",
     "is_url_supported",
@@ -48,6 +51,27 @@ __all__ = [
 ]
 
 _EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}
+
+
+ClientConfig = dict[str, Any]
+"""fsspec's configuration of this process (``fsspec.config.conf``: per protocol, the options its
+file systems get by default, set in code or from fsspec's config files)."""
+
+
+def client_config() -> ClientConfig:
+    """A copy of this process's fsspec configuration, for another process to apply."""
+    import copy
+
+    import fsspec.config
+
+    return copy.deepcopy(dict(fsspec.config.conf))
+
+
+def apply_client_config(conf: ClientConfig) -> None:
+    """Configure this process's fsspec file systems as ``conf`` (:func:`client_config`) says."""
+    import fsspec.config
+
+    fsspec.config.conf.update(conf)
 
 
 def split_scheme(url: str) -> tuple[str | None, str]:
