@@ -12,7 +12,7 @@ Call order (DCP's, per restore):
    calling thread, resolve every tensor item's destination: the tensor itself when it is a whole
    contiguous CPU tensor of the stored dtype, else a buffer that is narrowed and copied afterwards.
    The reads, sorted by file and offset, are cut into ``num_threads`` runs of about equal bytes;
-   each run's thread reads adjacent items with one ``preadv`` per 4 MiB (scattering into the
+   each run's thread reads adjacent items with one ``preadv`` per 16 MiB (scattering into the
    destinations) and checksums each piece while it is in cache. Destinations are committed to the
    planner on the calling thread, in order, once every read of a window succeeded. Buffered
    destinations are bounded: at most 512 MiB of buffers are held at once (a window).
@@ -59,9 +59,10 @@ from ckptmgr.storage import RangeReads, Storage, is_url_supported, open_storage,
 
 __all__ = ["DEFAULT_NUM_THREADS", "CkptStorageReader", "read_metadata_file"]
 
-DEFAULT_NUM_THREADS = 2
-"""Read streams per rank when the caller does not choose: two keep the disk busy while the other
-thread checksums (measured in docs/performance.md)."""
+DEFAULT_NUM_THREADS = 1
+"""Read streams per rank when the caller does not choose. One: in 7 interleaved cold restores of
+1 GiB here it took 0.74 s (median; 0.83x the read floor) at 0.43 s of CPU, two streams 1.28 s at
+0.87 s of CPU (docs/performance.md); the kernel's readahead keeps the disk busy while it hashes."""
 _BATCH = 16 << 20  # bytes per vectored read (2 streams x 16 MiB: as fast or faster than 4 MiB here)
 _BATCH_ITEMS = 256
 _MIN_STREAM_BYTES = 64 << 20
