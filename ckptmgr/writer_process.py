@@ -183,7 +183,12 @@ class WriterProcess:
         self._generation = 0
         self._store: Any = None  # the coordinator's rendezvous TCP store (kept while open)
         self._rendezvous: tuple[str, int] | None = None
-        self._killed: str | None = None
+        # Why each stopped generation was stopped. The save thread may learn of its writer's death
+        # after the caller's thread has started the next generation: it records into its own.
+        self._why: dict[int, str] = {}
+        self._busy: Connection | None = None  # the connection a save thread is using now
+        # The caller's thread (ensure -> kill, _start) against the save thread (save).
+        self._lock = threading.Lock()
         self._rank = 0
 
     @property
@@ -193,7 +198,8 @@ class WriterProcess:
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None and self._killed is None
+        return (self._proc is not None and self._proc.poll() is None
+                and self._generation not in self._why)
 
     def ensure(self, comm: Comm, lease: Lease | None) -> bool:
         """(collective over ``comm``) Start every rank's writer when any rank's is absent or
@@ -204,15 +210,17 @@ class WriterProcess:
         if ok:
             return False
         if self._proc is not None:
+            mine = self.alive
             log.warning("rank %d: %s; starting new writer processes", comm.rank,
-                        "this rank's writer process died" if not self.alive
-                        else "another rank's writer process died")
-            self.kill("the writer process of another rank died, so this rank's was stopped")
+                        "another rank's writer process died" if mine
+                        else "this rank's writer process died")
+            self.kill("the writer process of another rank died, so this rank's was stopped"
+                      if mine else _died_message(comm.rank, self._proc.poll(), None))
         self._start(comm, lease)
         return True
 
     def _start(self, comm: Comm, lease: Lease | None) -> None:
-        self._generation += 1
+        generation = self._generation + 1
         self._rank = comm.rank
         if comm.world_size > 1 and self._rendezvous is None:
             hosts = comm.all_gather(socket.gethostname())
@@ -226,7 +234,7 @@ class WriterProcess:
                 addr = (host, int(self._store.port))
             self._rendezvous = comm.broadcast(addr)
         info = lease.info if lease is not None else None
-        spec = _Spec(self._cfg, comm.rank, comm.world_size, self._rendezvous, self._generation,
+        spec = _Spec(self._cfg, comm.rank, comm.world_size, self._rendezvous, generation,
                      info, comm.arrivals.timeout_s, log.getEffectiveLevel(),
                      client_config())
         parent, child = socket.socketpair()
@@ -236,18 +244,20 @@ class WriterProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env["CUDA_VISIBLE_DEVICES"] = ""  # the writer never touches a device
         try:
-            self._proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, "-c", "from ckptmgr.writer_process import main; main()",
                  str(child.fileno()), str(life_r)],
                 pass_fds=(child.fileno(), life_r), env=env, stdin=subprocess.DEVNULL)
         finally:
             child.close()
             os.close(life_r)
-        self._conn = Connection(parent.detach())
-        self._lifeline = life_w
-        self._ready = False
-        self._killed = None
-        self._arenas.forget_sent()
+        with self._lock:  # from here on, a save thread still on the old generation sees it ended
+            self._generation = generation
+            self._proc = proc
+            self._conn = Connection(parent.detach())
+            self._lifeline = life_w
+            self._ready = False
+            self._arenas.forget_sent()
         self._conn.send(("init", spec))
 
     def save(self, job: DurableJob, retired: list[int]) -> DurableOutcome:
@@ -257,7 +267,9 @@ class WriterProcess:
             SaveError: the writer process died or was stopped (the step was not reported
                 committed); or the error the save raised there.
         """
-        proc, conn = self._proc, self._conn
+        with self._lock:
+            generation, proc, conn = self._generation, self._proc, self._conn
+            self._busy = conn
         if proc is None or conn is None:
             raise SaveError(f"no writer process on rank {self._rank}", step=job.plan.step)
         try:
@@ -265,10 +277,14 @@ class WriterProcess:
                 kind, payload = conn.recv()
                 if kind != "ready":
                     raise payload
-                self._ready = True
+                with self._lock:
+                    self._ready = self._ready or generation == self._generation
             if retired:
                 conn.send(("retire", retired))
-            new = self._arenas.unsent()
+            with self._lock:  # arenas are marked sent for this generation only
+                if generation != self._generation:
+                    raise OSError("the writer process was replaced")
+                new = self._arenas.unsent()
             if new:
                 conn.send(("arenas", [(a.id, a.nbytes) for a in new]))
                 for a in new:
@@ -281,12 +297,18 @@ class WriterProcess:
                 code = proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 code = None
-            why = _died_message(self._rank, code, self._killed)
-            self._killed = self._killed or why
+            why = _died_message(self._rank, code, self._why.get(generation))
+            with self._lock:
+                why = self._why.setdefault(generation, why)
             raise SaveError(f"{why} during the save of step {job.plan.step}: that save was not "
                             "reported committed (all_steps() shows whether it was); the next "
                             "save starts a new writer process", step=job.plan.step,
                             failures={self._rank: CkptmgrError(why)}) from e
+        finally:
+            with self._lock:
+                self._busy = None
+                if conn is not self._conn:  # kill() left this one to us (we were using it)
+                    conn.close()
         if kind == "err":
             raise payload
         assert isinstance(payload, DurableOutcome)
@@ -294,7 +316,8 @@ class WriterProcess:
 
     def kill(self, why: str) -> None:
         """Stop the writer now (SIGKILL); a save waiting on it fails with ``why``."""
-        self._killed = why
+        with self._lock:
+            self._why.setdefault(self._generation, why)
         if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
@@ -316,9 +339,12 @@ class WriterProcess:
         self._store = None
 
     def _drop_pipes(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        with self._lock:
+            conn, self._conn = self._conn, None
+            # A save thread still reading it closes it itself: closed here, its descriptor
+            # number could be reused by the next writer's socket while that thread reads.
+            if conn is not None and conn is not self._busy:
+                conn.close()
         if self._lifeline is not None:
             os.close(self._lifeline)
             self._lifeline = None

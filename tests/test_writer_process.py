@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -328,3 +329,46 @@ def test_object_stores_from_the_writer_process(root: str) -> None:
         out = _state(seed=2)
         mgr.restore(1, out)
     assert torch.equal(out["big"], state["big"])
+
+
+def test_a_restart_racing_the_failed_save_keeps_the_new_writer(
+        local_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller's ensure() restarts the writer before the save thread has handled the old one's
+    death: that thread must not mark the new writer dead (a second restart) nor hand arenas to
+    the old one as sent (the new one would never map them)."""
+    import ckptmgr.writer_process as wp
+
+    state = _state()
+    with CheckpointManager(local_root, save_interval=1, async_mode="process") as mgr:
+        mgr.save_async(0, state)
+        mgr.join()
+        gated, restarted = threading.Event(), threading.Event()
+        real_start, real_died = wp.WriterProcess._start, wp._died_message
+
+        def start(self: Any, comm: Any, lease: Any) -> None:
+            real_start(self, comm, lease)
+            restarted.set()
+
+        def died(rank: int, code: int | None, why: str | None) -> str:
+            if threading.current_thread() is not threading.main_thread():  # the save thread
+                gated.set()
+                assert restarted.wait(60)  # the gate: the caller restarts the writer first
+            return real_died(rank, code, why)
+
+        monkeypatch.setattr(wp.WriterProcess, "_start", start)
+        monkeypatch.setattr(wp, "_died_message", died)
+        pid = _writer_pid(mgr)
+        os.kill(pid, signal.SIGSTOP)
+        assert mgr.save_async(1, state)
+        os.kill(pid, signal.SIGKILL)
+        assert gated.wait(60)  # the save thread saw the death (and reaped the writer)
+        with pytest.raises(AsyncSaveError, match="killed by SIGKILL") as info:
+            mgr.save_async(2, state)
+        assert info.value.step == 1
+        new = _writer_pid(mgr)  # the writer started by that call is alive and kept
+        assert new != pid
+        state["t"] = torch.ones(7)  # a new arena, sent to the new writer
+        assert mgr.save_async(2, state)
+        mgr.join()
+        assert _writer_pid(mgr) == new
+        assert mgr.all_steps() == [0, 2]
