@@ -27,8 +27,10 @@ applies retention. It never unpickles a user object: values arrive encoded.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
 import select
 import signal
 import socket
@@ -146,6 +148,36 @@ def wire_items(staged: dict[str, Any], stager: Stager, *, trusted: bool) -> dict
     return out
 
 
+_UNREADABLE = ("storage.options (and fsspec's configuration) must hold values a fresh interpreter "
+               "can import, nothing defined in the training script; use async_mode='thread' "
+               "otherwise")
+
+
+class _SpecPickler(pickle.Pickler):
+    """Refuses what the writer process could not load: objects of the training script."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        cls = obj if isinstance(obj, type) else type(obj)
+        if getattr(cls, "__module__", None) == "__main__" or (
+                callable(obj) and getattr(obj, "__module__", None) == "__main__"):
+            raise ConfigError(f"the writer process cannot load {cls.__qualname__}, defined in "
+                              f"__main__: {_UNREADABLE}")
+        return NotImplemented
+
+
+def _dump_spec(spec: _Spec) -> bytes:
+    """(training process) The writer's configuration, pickled, or ConfigError saying why not."""
+    buf = io.BytesIO()
+    try:
+        _SpecPickler(buf, pickle.HIGHEST_PROTOCOL).dump(("init", spec))
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"the configuration cannot be sent to the writer process "
+                          f"({type(e).__name__}: {e}): {_UNREADABLE}") from e
+    return buf.getvalue()
+
+
 def _died_message(rank: int, code: int | None, why: str | None) -> str:
     if why is not None:
         return why
@@ -234,9 +266,9 @@ class WriterProcess:
                 addr = (host, int(self._store.port))
             self._rendezvous = comm.broadcast(addr)
         info = lease.info if lease is not None else None
-        spec = _Spec(self._cfg, comm.rank, comm.world_size, self._rendezvous, generation,
-                     info, comm.arrivals.timeout_s, log.getEffectiveLevel(),
-                     client_config())
+        spec = _dump_spec(_Spec(self._cfg, comm.rank, comm.world_size, self._rendezvous,
+                                generation, info, comm.arrivals.timeout_s,
+                                log.getEffectiveLevel(), client_config()))
         parent, child = socket.socketpair()
         life_r, life_w = os.pipe()
         env = dict(os.environ)
@@ -258,7 +290,7 @@ class WriterProcess:
             self._lifeline = life_w
             self._ready = False
             self._arenas.forget_sent()
-        self._conn.send(("init", spec))
+        self._conn.send_bytes(spec)  # ("init", _Spec), pickled above
 
     def save(self, job: DurableJob, retired: list[int]) -> DurableOutcome:
         """(background save thread) Run ``job`` in the writer process and return its outcome.
@@ -421,7 +453,14 @@ class _Writer:
 
 
 def _serve(conn: Connection) -> None:
-    _, spec = conn.recv()
+    try:
+        _, spec = conn.recv()
+    except (EOFError, OSError):
+        return
+    except Exception as e:  # say why, instead of exiting with a traceback on stderr only
+        conn.send(("err", ConfigError(f"the writer process could not read its configuration "
+                                      f"({type(e).__name__}: {e}): {_UNREADABLE}")))
+        return
     logging.basicConfig(format=f"[ckptmgr writer rank {spec.rank}] %(levelname)s %(message)s")
     logging.getLogger("ckptmgr").setLevel(spec.log_level)
     try:

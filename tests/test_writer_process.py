@@ -372,3 +372,34 @@ def test_a_restart_racing_the_failed_save_keeps_the_new_writer(
         mgr.join()
         assert _writer_pid(mgr) == new
         assert mgr.all_steps() == [0, 2]
+
+
+class _OnlyHere(int):
+    """A value the writer process cannot import (this test module is not on its path)."""
+
+
+def test_storage_options_the_writer_cannot_read_are_clear_errors(local_root: str) -> None:
+    from ckptmgr._dist import Comm
+    from ckptmgr._shm import ArenaSet
+    from ckptmgr.writer_process import WriterProcess
+
+    def writer(options: dict[str, Any]) -> WriterProcess:
+        cfg = ckptmgr.ManagerConfig.from_kwargs(path=local_root, save_interval=1,
+                                                async_mode="process", storage_options=options)
+        return WriterProcess(cfg, ArenaSet())
+
+    main = type("Main", (), {"__module__": "__main__"})  # as defined by a training script
+    for bad in ({"lock": threading.Lock()}, {"retries": main()}):
+        wp = writer(bad)
+        with pytest.raises(ConfigError, match=r"storage.options.*async_mode='thread'"):
+            wp.ensure(Comm(None), None)
+        assert wp.pid is None  # nothing started
+    wp = writer({"retries": _OnlyHere(3)})
+    wp.ensure(Comm(None), None)
+    try:
+        assert wp._conn is not None
+        kind, err = wp._conn.recv()  # the writer says why, instead of dying with a traceback
+        assert kind == "err" and isinstance(err, ConfigError), err
+        assert "storage.options" in str(err) and "test_writer_process" in str(err)
+    finally:
+        wp.close()
