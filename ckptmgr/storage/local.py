@@ -2,10 +2,12 @@
 
 Large files go to disk at device speed and with little CPU, and never fill the page cache (a
 training job's data-set cache matters more than a checkpoint's):
-- where the file system takes ``O_DIRECT`` (Linux ext4, xfs, ...), the writer copies the bytes into
-  three page-aligned bounce buffers (8-64 MiB: 1/32 of the file) and one I/O thread writes them
-  with direct I/O: no page cache, so the kernel spends no CPU on copying, dirty accounting,
-  writeback and reclaim (measured here: a third of the CPU of a buffered write);
+- where the file system takes ``O_DIRECT`` (Linux ext4, xfs, ...), writes use direct I/O: no page
+  cache, so the kernel spends no CPU on copying, dirty accounting, writeback and reclaim. Large
+  items are written from the caller's own memory (``write_unbuffered``: the file is padded so
+  their offset has their address's alignment); everything else is copied into three
+  page-aligned bounce buffers (8-64 MiB: 1/32 of the file). Four I/O threads keep several
+  writes in flight in a preallocated file;
 - elsewhere, buffered writes with early writeback: the kernel is asked to start writing each chunk
   as soon as it is written (``sync_file_range``), at most a bounded window is dirty, and pages
   already on disk are dropped (``posix_fadvise(DONTNEED)``), so the disk is busy from the first
