@@ -27,13 +27,7 @@ from ckptmgr._dist import Comm, collective_timeout, make_group
 from ckptmgr._shm import ArenaSet
 from ckptmgr.config import ManagerConfig, check_flag, load_config
 from ckptmgr.dcp.checkpoint import PreparedSave, SavePlanners, prepare_save
-from ckptmgr.errors import (
-    AsyncSaveError,
-    CkptmgrError,
-    ConfigError,
-    SaveError,
-    StorageError,
-)
+from ckptmgr.errors import AsyncSaveError, CkptmgrError, ConfigError, SaveError, StorageError
 from ckptmgr.events import Listeners, log_restore, log_save
 from ckptmgr.info import SaveStats, StepInfo
 from ckptmgr.initial import KeyMap, load_initial
@@ -45,7 +39,13 @@ from ckptmgr.preemption import PreemptionWatcher, agree_preemption, warn_if_over
 from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import open_storage
 from ckptmgr.tiers import LocalTier, durable_fits, restore_durable, save_durable
-from ckptmgr.writer_process import DurableJob, WriterProcess, retention_policy, wire_items
+from ckptmgr.writer_process import (
+    DurableJob,
+    WriterProcess,
+    retention_policy,
+    stop_if_stuck,
+    wire_items,
+)
 
 __all__ = ["CheckpointManager"]
 
@@ -491,7 +491,8 @@ class CheckpointManager:
                     signum, req.step)
         self._preempted_step = req.step
         try:
-            self.join()
+            with stop_if_stuck(self._writer, self.config.preemption.grace_s / 3):
+                self.join()
         except AsyncSaveError as e:  # the last checkpoint matters more than the one before it
             log.error("the save before the preemption failed: %s", e)
         if self._local is not None:  # the fast tier first, the durable one if the grace allows

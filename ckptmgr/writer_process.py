@@ -37,6 +37,8 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing import reduction
@@ -67,7 +69,8 @@ from ckptmgr.storage import (
 )
 from ckptmgr.tiers import DurableOutcome, save_durable
 
-__all__ = ["DurableJob", "WriterProcess", "main", "retention_policy", "wire_items"]
+__all__ = ["DurableJob", "WriterProcess", "main", "retention_policy", "stop_if_stuck",
+           "wire_items"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -268,16 +271,19 @@ class WriterProcess:
         info = lease.info if lease is not None else None
         spec = _dump_spec(_Spec(self._cfg, comm.rank, comm.world_size, self._rendezvous,
                                 generation, info, comm.arrivals.timeout_s,
-                                log.getEffectiveLevel(), client_config()))
+                                log.getEffectiveLevel(), client_config(self._cfg.path)))
         parent, child = socket.socketpair()
         life_r, life_w = os.pipe()
         env = dict(os.environ)
+        # The writer imports what this process would, from where it would (this ckptmgr first;
+        # the working directory only if it is on this process's path: -P).
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join([root, *(p or os.getcwd() for p in sys.path)])
         env["CUDA_VISIBLE_DEVICES"] = ""  # the writer never touches a device
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-c", "from ckptmgr.writer_process import main; main()",
+                [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else []), "-c",
+                 "from ckptmgr.writer_process import main; main()",
                  str(child.fileno()), str(life_r)],
                 pass_fds=(child.fileno(), life_r), env=env, stdin=subprocess.DEVNULL)
         finally:
@@ -380,6 +386,25 @@ class WriterProcess:
         if self._lifeline is not None:
             os.close(self._lifeline)
             self._lifeline = None
+
+
+@contextmanager
+def stop_if_stuck(writer: WriterProcess | None, seconds: float) -> Iterator[None]:
+    """Kill ``writer`` if the ``with`` block (waiting for its save) lasts more than ``seconds``:
+    at a preemption, a writer stuck on I/O, or waiting for a frozen writer of another rank, must
+    not eat the grace period the last checkpoint needs (that save then fails, reported once)."""
+    if writer is None:
+        yield
+        return
+    timer = threading.Timer(seconds, writer.kill, args=(
+        f"the writer process was stopped: its save was still running {seconds:.0f} s after a "
+        "preemption, which needs the time for the last checkpoint",))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 # --------------------------------------------------------------------------- the writer process

@@ -374,11 +374,10 @@ def test_a_restart_racing_the_failed_save_keeps_the_new_writer(
         assert mgr.all_steps() == [0, 2]
 
 
-class _OnlyHere(int):
-    """A value the writer process cannot import (this test module is not on its path)."""
+def test_storage_options_the_writer_cannot_read_are_clear_errors(
+        local_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
 
-
-def test_storage_options_the_writer_cannot_read_are_clear_errors(local_root: str) -> None:
     from ckptmgr._dist import Comm
     from ckptmgr._shm import ArenaSet
     from ckptmgr.writer_process import WriterProcess
@@ -394,12 +393,56 @@ def test_storage_options_the_writer_cannot_read_are_clear_errors(local_root: str
         with pytest.raises(ConfigError, match=r"storage.options.*async_mode='thread'"):
             wp.ensure(Comm(None), None)
         assert wp.pid is None  # nothing started
-    wp = writer({"retries": _OnlyHere(3)})
+    # A value of a module that exists only in this process: the writer cannot import it.
+    module = types.ModuleType("ckptmgr_test_only_here")
+    only_here = type("OnlyHere", (int,), {"__module__": module.__name__})
+    module.OnlyHere = only_here  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    wp = writer({"retries": only_here(3)})
     wp.ensure(Comm(None), None)
     try:
         assert wp._conn is not None
         kind, err = wp._conn.recv()  # the writer says why, instead of dying with a traceback
         assert kind == "err" and isinstance(err, ConfigError), err
-        assert "storage.options" in str(err) and "test_writer_process" in str(err)
+        assert "storage.options" in str(err) and "ckptmgr_test_only_here" in str(err)
     finally:
         wp.close()
+
+
+def test_a_file_system_registered_in_code_reaches_the_writer(tmp_path: Path) -> None:
+    import fsspec
+    from _custom_fs import AliasFileSystem
+
+    fsspec.register_implementation("ckptalias", AliasFileSystem, clobber=True)
+    root = f"ckptalias://{tmp_path}/run"
+    with CheckpointManager(root, save_interval=1, async_mode="process") as mgr:
+        mgr.save_async(0, {"w": torch.ones(3)})
+        mgr.join()
+        assert mgr.all_steps() == [0]
+    assert (tmp_path / "run" / "0").is_dir()
+
+    class InScript(AliasFileSystem):  # stands for a class of the training script
+        protocol = ("ckptmain",)
+
+    InScript.__module__ = "__main__"
+    fsspec.register_implementation("ckptmain", InScript, clobber=True)
+    with pytest.raises(ConfigError, match="__main__"):
+        CheckpointManager(f"ckptmain://{tmp_path}/other", save_interval=1, async_mode="process")
+
+
+def test_preemption_does_not_wait_for_a_stuck_writer(local_root: str) -> None:
+    """A writer that cannot finish (frozen here) is stopped after a third of the grace period;
+    the last checkpoint is then taken by the training process."""
+    preempted = [False]
+    state = _state()
+    with CheckpointManager(local_root, save_interval=1, async_mode="process",
+                           exit_on_preemption=False, preemption_grace_s=1.5,
+                           preemption_check=lambda: preempted[0]) as mgr:
+        mgr.save_async(0, state)
+        mgr.join()
+        os.kill(_writer_pid(mgr), signal.SIGSTOP)  # stuck for good
+        mgr.save_async(1, state)
+        preempted[0] = True
+        assert mgr.save_async(2, state)  # waits 0.5 s for the stuck save, then saves step 2
+        assert mgr.reached_preemption(2)
+        assert mgr.all_steps() == [0, 2]

@@ -54,24 +54,44 @@ _EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}
 
 
 ClientConfig = dict[str, Any]
-"""fsspec's configuration of this process (``fsspec.config.conf``: per protocol, the options its
-file systems get by default, set in code or from fsspec's config files)."""
+"""What another process needs to open a root as this one does: fsspec's configuration
+(``fsspec.config.conf``: per protocol, the options its file systems get by default, set in code or
+from fsspec's config files) and the file-system class registered in code for the root's scheme."""
 
 
-def client_config() -> ClientConfig:
-    """A copy of this process's fsspec configuration, for another process to apply."""
+def client_config(url: str) -> ClientConfig:
+    """This process's fsspec configuration for ``url``, for another process to apply.
+
+    Raises:
+        ConfigError: the scheme's file system was registered in code with a class defined in the
+            training script (``__main__``): another process cannot import it.
+    """
     import copy
 
+    import fsspec
     import fsspec.config
 
-    return copy.deepcopy(dict(fsspec.config.conf))
+    impl = None
+    scheme = split_scheme(url)[0]
+    cls = fsspec.registry.get(scheme) if scheme else None
+    if cls is not None:
+        if cls.__module__ == "__main__":
+            raise ConfigError(
+                f"the {scheme}:// file system {cls.__qualname__} is defined in the training "
+                "script (__main__), which the writer process cannot import: define it in an "
+                "importable module, or use async_mode='thread'")
+        impl = (scheme, f"{cls.__module__}.{cls.__qualname__}")
+    return {"conf": copy.deepcopy(dict(fsspec.config.conf)), "impl": impl}
 
 
 def apply_client_config(conf: ClientConfig) -> None:
     """Configure this process's fsspec file systems as ``conf`` (:func:`client_config`) says."""
+    import fsspec
     import fsspec.config
 
-    fsspec.config.conf.update(conf)
+    fsspec.config.conf.update(conf["conf"])
+    if conf["impl"] is not None:
+        fsspec.register_implementation(*conf["impl"], clobber=True)
 
 
 def split_scheme(url: str) -> tuple[str | None, str]:
