@@ -16,6 +16,7 @@ hanging on an idle thread.
 from __future__ import annotations
 
 import copy
+import ctypes
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -132,6 +133,13 @@ class Stager:
                 used[index] = stream
             with torch.cuda.stream(stream):
                 buf.copy_(src, non_blocking=buf.is_pinned())
+        elif _plain_cpu(src) and src.dtype == buf.dtype and src.shape == buf.shape:
+            # One thread, GIL released: torch's copy_ splits a large copy over the intra-op
+            # threads, which a busy training loop holds (measured on 2 cores under load, 1 GiB:
+            # copy_ 0.10-4.35 s, median 0.95 s; memmove 0.14-0.17 s).
+            n = _nbytes(src)
+            if n:
+                ctypes.memmove(buf.data_ptr(), src.data_ptr(), n)
         else:
             buf.copy_(src)
         self.last_staged_bytes += _nbytes(buf)
@@ -187,6 +195,12 @@ class Stager:
     def _drop(self, key: str) -> None:
         self._buffers.pop(key, None)
         self._pinned.discard(key)
+
+
+def _plain_cpu(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes are its values, contiguous in CPU memory (a memmove copies it)."""
+    return (t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg() and not t.is_quantized)
 
 
 def _nbytes(t: torch.Tensor) -> int:
