@@ -28,7 +28,7 @@ import torch
 
 from ckptmgr.errors import ConfigError
 
-__all__ = ["ALIGN", "Arena", "ArenaSet", "ShmTensor", "attach", "shared_staging_supported", "view"]
+__all__ = ["ALIGN", "Arena", "ArenaSet", "ShmTensor", "attach", "require_shared_staging", "view"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -36,9 +36,12 @@ ALIGN = 4096  # buffers start on page boundaries
 _IDS = itertools.count(1)
 
 
-def shared_staging_supported() -> bool:
-    """Whether this platform has anonymous shared memory we can hand to another process."""
-    return sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+def require_shared_staging() -> None:
+    """Raise ConfigError unless this platform has anonymous shared memory we can hand to another
+    process (Linux memfd)."""
+    if not (sys.platform.startswith("linux") and hasattr(os, "memfd_create")):
+        raise ConfigError("async_mode='process' needs Linux (anonymous shared memory, "
+                          "memfd_create); use async_mode='thread' on this platform")
 
 
 @dataclass(frozen=True)
@@ -76,9 +79,6 @@ class Arena:
     """One shared-memory file mapped as ``nbytes`` of uint8 (pinned where CUDA is available)."""
 
     def __init__(self, nbytes: int) -> None:
-        if not shared_staging_supported():
-            raise ConfigError("async_mode='process' needs Linux (anonymous shared memory, "
-                              "memfd_create); use async_mode='thread' on this platform")
         self.id = next(_IDS)
         self.nbytes = max(int(nbytes), ALIGN)
         self.fd: int | None = os.memfd_create("ckptmgr-staging", os.MFD_CLOEXEC)
@@ -113,9 +113,14 @@ def _aligned(n: int) -> int:
 
 
 class ArenaSet:
-    """The arenas of one training process's staging buffers (used by one thread)."""
+    """The arenas of one training process's staging buffers (used by one thread).
+
+    Raises:
+        ConfigError: this platform cannot share staging memory (:func:`require_shared_staging`).
+    """
 
     def __init__(self) -> None:
+        require_shared_staging()
         self._arenas: dict[int, Arena] = {}
         self._by_ptr: dict[int, Arena] = {}  # the arena's storage data pointer -> arena
         self._sent: set[int] = set()

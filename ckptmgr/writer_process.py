@@ -51,7 +51,7 @@ from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined
 
 from ckptmgr._async import Stager
 from ckptmgr._dist import Comm, portable
-from ckptmgr._shm import ArenaSet, ShmTensor, attach, shared_staging_supported, view
+from ckptmgr._shm import ArenaSet, ShmTensor, attach, view
 from ckptmgr.config import ManagerConfig
 from ckptmgr.dcp.checkpoint import SavePlanners
 from ckptmgr.dcp.shards import StagedDTensor
@@ -123,7 +123,7 @@ class _Spec:
     lease: LeaseInfo | None
     timeout_s: float
     log_level: int
-    fsspec_conf: ClientConfig  # the trainer's fsspec configuration (set in code, e.g. for gs)
+    fsspec_conf: ClientConfig  # how the trainer opens the root (fsspec config, scheme class)
 
 
 def wire_items(staged: dict[str, Any], stager: Stager, *, trusted: bool) -> dict[str, Any]:
@@ -131,8 +131,7 @@ def wire_items(staged: dict[str, Any], stager: Stager, *, trusted: bool) -> dict
     DTensors with their layout, Python values encoded.
 
     Raises:
-        ConfigError: a value that cannot be sent to the writer process (an XLA sharded tensor:
-            use ``async_mode="thread"``).
+        ConfigError: a Python value larger than a stored value may be.
         UnsafeCheckpointError: a value that needs pickle and not ``trusted``.
     """
     arenas = stager.arenas
@@ -206,9 +205,6 @@ class WriterProcess:
             raise ConfigError("async_mode='process' cannot write a memory:// root: that file "
                               "system lives in one process, and the writer process would write "
                               "into its own; use async_mode='thread' (the default) with memory://")
-        if not shared_staging_supported():
-            raise ConfigError("async_mode='process' needs Linux (anonymous shared memory, "
-                              "memfd_create); use async_mode='thread' on this platform")
         self._cfg = cfg
         self._arenas = arenas
         self._proc: subprocess.Popen[bytes] | None = None
