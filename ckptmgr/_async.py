@@ -49,7 +49,7 @@ class Stager:
     def __init__(self, arenas: ArenaSet | None = None) -> None:
         # Shared staging (the writer process maps it): every buffer lies in one of ``arenas``.
         self.arenas = arenas
-        self.retired: list[int] = []  # arenas dropped since the writer process last heard
+        self._retired: list[int] = []  # arenas dropped since the writer process last heard
         self._warned_sharded = False
         self._buffers: dict[str, torch.Tensor] = {}
         self._pinned: set[str] = set()
@@ -60,7 +60,7 @@ class Stager:
 
     def take_retired(self) -> list[int]:
         """The arenas dropped since the last call (the writer process unmaps them)."""
-        out, self.retired = self.retired, []
+        out, self._retired = self._retired, []
         return out
 
     @property
@@ -86,14 +86,18 @@ class Stager:
         if self.arenas is not None:
             self.arenas.close()
 
-    def _buffer(self, key: str, src: torch.Tensor) -> torch.Tensor:
+    def _stale(self, key: str, src: torch.Tensor) -> bool:
+        """Whether ``key`` has no buffer fit for ``src`` (none, or another shape or dtype)."""
         buf = self._buffers.get(key)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+        return buf is None or buf.shape != src.shape or buf.dtype != src.dtype
+
+    def _buffer(self, key: str, src: torch.Tensor) -> torch.Tensor:
+        if self._stale(key, src):
             pin = src.device.type == "cuda" and torch.cuda.is_available()
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buf
             (self._pinned.add if pin else self._pinned.discard)(key)
-        return buf
+        return self._buffers[key]
 
     def _allocate_shared(self, flat: Mapping[str, Any]) -> None:
         """(shared staging) One new arena for every tensor whose buffer is missing or changed."""
@@ -110,8 +114,7 @@ class Stager:
             src = value.to_local() if isinstance(value, DTensor) else value
             if not isinstance(src, torch.Tensor):
                 continue
-            buf = self._buffers.get(key)
-            if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+            if self._stale(key, src):
                 keys.append(key)
                 specs.append((tuple(src.shape), src.dtype))
         if specs:
@@ -190,7 +193,7 @@ class Stager:
         for key in set(self._shard_buffers) - set(flat):
             del self._shard_buffers[key]
         if self.arenas is not None:
-            self.retired += self.arenas.retire_unused(self._buffers.values())
+            self._retired += self.arenas.retire_unused(self._buffers.values())
         return out
 
     def _drop(self, key: str) -> None:
