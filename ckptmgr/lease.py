@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -100,6 +101,11 @@ class LeaseInfo:
         return (f"host {self.host}, pid {self.pid}{job}, held since "
                 f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(self.since))}")
 
+    def possible_pid(self) -> bool:
+        """Whether a process of this system can have the holder's pid. Compared, never passed
+        to the kernel: ``os.kill(-1, 0)`` signals every process, ``2**70`` overflows."""
+        return 0 < self.pid <= _pid_max()
+
     def provably_dead(self) -> bool:
         """Same host and the process is gone; or this process, and the lease object that held
         it was released or garbage-collected (its manager is gone)."""
@@ -108,6 +114,8 @@ class LeaseInfo:
         if self.pid_ns is None or self.pid_ns != _pid_namespace():
             # Containers can share a host name; a pid means something only in its namespace.
             return False
+        if not self.possible_pid():
+            return True  # no process of this namespace can hold it
         if self.pid == os.getpid():
             with _HELD_LOCK:
                 return self.id not in _HELD
@@ -121,15 +129,44 @@ class LeaseInfo:
 
     @classmethod
     def decode(cls, data: bytes) -> LeaseInfo | None:
-        """The lease in ``data``, None if it does not parse (treated as expired)."""
+        """The lease in ``data``, None if it does not parse (treated as expired): a JSON object
+        whose ``id`` and ``host`` are strings, ``pid`` an integer (not a bool) and ``since``
+        and ``expires`` finite numbers. A pid that no process can have (<= 0, or above the
+        system's maximum) parses: that holder is dead where pids compare
+        (:meth:`provably_dead`)."""
         try:
             doc = json.loads(data)
-            return cls(id=str(doc["id"]), host=str(doc["host"]), pid=int(doc["pid"]),
-                       job=None if doc.get("job") is None else str(doc["job"]),
-                       since=float(doc["since"]), expires=float(doc["expires"]),
-                       pid_ns=None if doc.get("pid_ns") is None else str(doc["pid_ns"]))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, RecursionError):  # ValueError: JSON and UTF-8 errors alike
             return None
+        if not isinstance(doc, dict):
+            return None
+        ident, host, pid = doc.get("id"), doc.get("host"), doc.get("pid")
+        job, pid_ns = doc.get("job"), doc.get("pid_ns")
+        since, expires = doc.get("since"), doc.get("expires")
+        if not (isinstance(ident, str) and isinstance(host, str)
+                and isinstance(pid, int) and not isinstance(pid, bool)
+                and all(_is_time(t) for t in (since, expires))
+                and (job is None or isinstance(job, str))
+                and (pid_ns is None or isinstance(pid_ns, str))):
+            return None
+        assert isinstance(since, (int, float)) and isinstance(expires, (int, float))
+        return cls(id=ident, host=host, pid=pid, job=job, since=float(since),
+                   expires=float(expires), pid_ns=pid_ns)
+
+
+def _is_time(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _pid_max() -> int:
+    """The largest pid this system gives (Linux: /proc/sys/kernel/pid_max; 2**22 otherwise,
+    Linux's own ceiling)."""
+    try:
+        with open("/proc/sys/kernel/pid_max", "rb") as f:
+            return int(f.read(32).strip())
+    except (OSError, ValueError):
+        return 1 << 22
 
 
 # Leases held by this process, by lease id: a lease file naming this process whose id is not here
@@ -209,8 +246,13 @@ class Lease:
             log.info("%s: taking over the expired writer lease of %s", self.storage.url,
                      current.describe())
         elif current.provably_dead():
-            log.info("%s: taking over the writer lease of a process that is gone (%s)",
-                     self.storage.url, current.describe())
+            if current.possible_pid():
+                log.info("%s: taking over the writer lease of a process that is gone (%s)",
+                         self.storage.url, current.describe())
+            else:
+                log.warning("%s: taking over a writer lease naming pid %d, which no process "
+                            "on this host can have (%s)", self.storage.url, current.pid,
+                            current.describe())
         elif forced:
             log.warning("%s: take_over=True: taking the live writer lease of %s; that writer "
                         "can no longer commit", self.storage.url, current.describe())
@@ -262,25 +304,59 @@ class Lease:
         return LeaseInfo.decode(data)
 
     def renew(self) -> None:
-        """Extend the lease if it is still ours; mark it lost otherwise. Never raises."""
+        """Extend the lease if it is still ours, taking it back if it vanished (a wiped
+        directory) or expired (an outage longer than its time to live) while nobody took it;
+        mark it lost for good if another writer holds it. Never raises."""
         with self._lock:
-            if self.info is None or self._lost is not None:
+            if self.info is None or self._lost is not None or self._follower:
                 return
             try:
-                current = self.read()
-                if current is None or current.id != self.info.id:
-                    holder = current.describe() if current is not None else "nobody"
-                    self._mark_lost(f"the lease is now held by {holder}")
-                    return
-                info = LeaseInfo(**{**asdict(self.info), "expires": time.time() + self.ttl_s})
-                self.storage.write_bytes(LEASE_NAME, self._encode(info))
-                self.info = info
+                self._extend(self.read())
             except Exception as e:  # a failed renewal must not kill the thread: retried soon
                 log.warning("%s: could not renew the writer lease: %s", self.storage.url, e)
 
+    def _extend(self, current: LeaseInfo | None) -> None:
+        """(under ``_lock``, holder only) Write our lease with a new expiry over ``current``
+        (what storage holds now), then read it back: another id there means we lost it."""
+        assert self.info is not None
+        if current is not None and current.id != self.info.id:
+            self._mark_lost(f"the lease is now held by {current.describe()}")
+            return
+        info = LeaseInfo(**{**asdict(self.info), "expires": time.time() + self.ttl_s})
+        if current is None:
+            # Gone or unreadable: nobody holds it (a taker writes a lease that parses), so this
+            # writer takes it back, with an exclusive create where it is absent.
+            log.warning("%s: the writer lease file was gone or unreadable; nobody else holds "
+                        "the root, so this writer takes its lease back", self.storage.url)
+            self.storage.makedirs("")
+            try:
+                self.storage.write_bytes(LEASE_NAME, self._encode(info), exclusive=True)
+            except StorageError as e:
+                if not isinstance(e.__cause__, FileExistsError):
+                    raise
+                back = self.read()
+                if back is not None:  # someone created a lease of their own meanwhile
+                    self._extend(back)
+                    return
+                self.storage.write_bytes(LEASE_NAME, self._encode(info))
+        else:
+            if current.expires <= time.time():
+                log.warning("%s: the writer lease expired %.0f s ago without renewal (storage "
+                            "unreachable or the process stalled) and nobody took it; this writer "
+                            "takes it back", self.storage.url, time.time() - current.expires)
+            self.storage.write_bytes(LEASE_NAME, self._encode(info))
+        back = self.read()
+        if back is None or back.id != info.id:
+            holder = back.describe() if back is not None else "nobody (it vanished again)"
+            self._mark_lost(f"the lease is now held by {holder}")
+            return
+        self.info = info
+
     def check(self) -> None:
         """(before a commit or a deletion) Raise LeaseError unless this writer holds the lease
-        now (read from storage) with time left."""
+        now (read from storage) with time left. A holder whose lease vanished or expired while
+        nobody took it takes it back here (logged); one whose lease another writer holds has
+        lost it for good."""
         if self.info is None:
             raise LeaseError(f"{self.storage.url}: this writer holds no lease")
         if self._lost is None:
@@ -288,16 +364,29 @@ class Lease:
                 current = self.read()
             except StorageError as e:
                 raise LeaseError(f"{self.storage.url}: could not check the writer lease before "
-                                 f"committing: {e}") from e
-            if current is None or current.id != self.info.id:
-                holder = current.describe() if current is not None else "nobody"
-                self._mark_lost(f"the lease is now held by {holder}")
-            elif current.expires <= time.time():
-                self._mark_lost("the lease expired without renewal")
+                                 f"committing or deleting: {e}; nothing was changed") from e
+            ours = current is not None and current.id == self.info.id
+            if ours and current is not None and current.expires > time.time():
+                return
+            if self._follower:  # the training process renews or takes back; never this one
+                if current is not None and not ours:
+                    self._mark_lost(f"the lease is now held by {current.describe()}")
+                else:
+                    why = "expired" if current is not None else "is gone"
+                    raise LeaseError(f"{self.storage.url}: the writer lease {why}; nothing was "
+                                     "changed (the training process takes it back)")
+            else:
+                with self._lock:
+                    try:
+                        self._extend(current)
+                    except StorageError as e:
+                        raise LeaseError(f"{self.storage.url}: could not take the writer lease "
+                                         f"back: {e}; nothing was changed") from e
         if self._lost is not None:
             raise LeaseError(
                 f"{self.storage.url}: this writer lost its lease ({self._lost}); nothing of this "
-                "save became visible. Another job writes this root now: stop one of them")
+                "save became visible and it deletes nothing. Another job writes this root now: "
+                "stop one of them")
 
     @property
     def held(self) -> bool:

@@ -27,7 +27,15 @@ from ckptmgr._dist import Comm, collective_timeout, make_group
 from ckptmgr._shm import ArenaSet
 from ckptmgr.config import ManagerConfig, check_flag, load_config
 from ckptmgr.dcp.checkpoint import PreparedSave, SavePlanners, prepare_save
-from ckptmgr.errors import AsyncSaveError, CkptmgrError, ConfigError, SaveError, StorageError
+from ckptmgr.dcp.state import check_state_dict
+from ckptmgr.errors import (
+    AsyncSaveError,
+    CkptmgrError,
+    ConfigError,
+    CorruptCheckpointError,
+    SaveError,
+    StorageError,
+)
 from ckptmgr.events import Listeners, log_restore, log_save
 from ckptmgr.info import SaveStats, StepInfo
 from ckptmgr.initial import KeyMap, load_initial
@@ -369,13 +377,23 @@ class CheckpointManager:
         step = check_step(step)
         allow_partial = check_flag("allow_partial", allow_partial)
         trusted = check_flag("trusted", trusted)
+        check_state_dict(state_dict)  # before any I/O: a list or None has no keys to load into
         self.join()
         comm, cfg = self._caller, self.config
         comm.arrivals.begin("restore", step, "restore")
         comm.on_coordinator(lambda: self._require_listed(step))  # the view is the same everywhere
+        durable = step in self._view.records or step in self._view.foreign  # alike everywhere
         nbytes = None if self._local is None else self._local.restore(  # the local tier first
-            step, state_dict, comm, allow_partial=allow_partial, trusted=trusted, verify=cfg.verify)
+            step, state_dict, comm, allow_partial=allow_partial, trusted=trusted,
+            verify=cfg.verify, fallback=durable)
         if nbytes is None:
+            if not durable and self._local is not None and self._local.last_failure:
+                raise CorruptCheckpointError(
+                    f"step {step} is held only by the local tier ({self._local.root} on each "
+                    f"rank) and cannot be read there: {self._local.last_failure}. "
+                    + ("Part of the target state may hold its bytes; "
+                       if self._local.last_failure_touched else "The target state was not "
+                       "changed; ") + f"restore another step: {self.all_steps()}", step=step)
             comm.on_coordinator(lambda: self._require_listed(step, durable=True))
             nbytes = restore_durable(
                 self._store, step, state_dict, comm, foreign=step in self._view.foreign,
@@ -408,6 +426,7 @@ class CheckpointManager:
         if not self.config.read_only:
             self._lease = Lease(self._store.storage)
             self._lease.acquire(take_over=self.config.take_over)
+            self._store.fence = self._lease.check  # every commit and removal checks it
         return self._scan()
 
     def _scan(self) -> _View:
@@ -432,6 +451,7 @@ class CheckpointManager:
                               "the root without read_only to write it")
         req = _Request(check_step(step), check_flag("force", force), check_metrics(metrics),
                        check_metadata(metadata), check_flag("trusted", trusted), t_call)
+        check_state_dict(state_dict)  # also when the step is not due: the call is wrong anyway
         self._caller.arrivals.begin("save", req.step, "plan")
         signum = agree_preemption(self._preempt, self._caller)
         if signum:

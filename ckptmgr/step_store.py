@@ -22,6 +22,14 @@ DCP writer and reader (``ckptmgr.dcp.CkptStorageWriter(url)``) write and read:
 :meth:`StepStore.begin_dir_save`, :meth:`StepStore.read_dir_manifest`,
 :meth:`StepStore.read_dir_file`, then the same :meth:`StepStore.commit`.
 
+**One door for deletions.** Everything ckptmgr removes under a root (retention, leftovers of
+crashed saves, replaced attempts, failed attempts, ``prune``, the local tier) goes through
+:meth:`StepStore._remove`, which runs the store's ``fence`` first: the root's writer lease is
+checked (read from storage) right before each removal, so a writer that lost its lease removes
+nothing. A store without a fence (a reader, the CLI's read-only commands) removes nothing either;
+the standalone DCP writer, which writes a directory its caller owns and has no lease, passes
+:func:`unfenced` explicitly. ``tests/test_house.py`` fails if anything else deletes.
+
 Call order of one save (DESIGN.md section 5): (coordinator) :meth:`StepStore.begin_save` ->
 (all ranks) write data files into ``plan.write_dir`` -> (coordinator) :meth:`StepStore.commit`
 (or :meth:`StepStore.discard` after a failure) -> (coordinator)
@@ -42,6 +50,7 @@ from ckptmgr.errors import (
     CkptmgrError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    LeaseError,
     StorageError,
     UnsafeCheckpointError,
 )
@@ -76,6 +85,7 @@ __all__ = [
     "check_step",
     "is_attempt_file_name",
     "is_our_file_name",
+    "unfenced",
 ]
 
 log = logging.getLogger("ckptmgr")
@@ -139,19 +149,45 @@ class RootScan:
     symlinks: list[str]
 
 
+def unfenced() -> None:
+    """The fence of a writer without a lease by design: the standalone DCP writer
+    (``ckptmgr.dcp.CkptStorageWriter(url)`` under plain ``dcp.save``), whose caller owns the
+    directory and runs one writer. It lets removals of that writer's own replaced and failed
+    attempts through; nothing else may use it."""
+
+
 class StepStore:
     """The step directories of one root.
 
     Reads are safe from any rank. Writes (:meth:`begin_save`, :meth:`commit`, :meth:`discard`,
     :meth:`delete_step`, :meth:`remove_leftovers`) are the coordinator's, under the root's writer
-    lease (:mod:`ckptmgr.lease`).
+    lease (:mod:`ckptmgr.lease`), which ``fence`` checks.
 
     Args:
         storage: the root.
+        fence: called right before every commit and every removal; raises (LeaseError) to stop
+            it. None (readers): this store removes nothing and commits only with a fence
+            passed to :meth:`commit`.
     """
 
-    def __init__(self, storage: Storage) -> None:
+    def __init__(self, storage: Storage, *, fence: Callable[[], None] | None = None) -> None:
         self.storage = storage
+        self.fence = fence
+
+    def _remove(self, path: str, *, recursive: bool = False) -> None:
+        """The one door for removing anything under the root: the fence first, then the removal.
+
+        Raises:
+            LeaseError: this store has no fence (a reader), or the fence says the writer lost
+                the root's lease: nothing is removed.
+            StorageError: the removal failed.
+        """
+        if self.fence is None:
+            raise LeaseError(f"{self.url}: this store holds no writer lease, so it removes "
+                             f"nothing ({path or 'the root'} stays); open the root as its writer "
+                             "to delete")
+        self.fence()
+        self.storage.remove(path, recursive=recursive)
 
     @property
     def url(self) -> str:
@@ -461,7 +497,7 @@ class StepStore:
                 # Our own leftover of a crashed save of this very step blocks the rename.
                 log.info("removing uncommitted leftover %s/%s (only ckptmgr's files)", self.url,
                          sdir)
-                self.storage.remove(sdir, recursive=True)
+                self._remove(sdir, recursive=True)
             write_dir = staging_dir_name(step, attempt)
         else:
             write_dir = sdir
@@ -512,11 +548,13 @@ class StepStore:
         Staged: the manifest goes into the staging directory, which is fsynced and renamed into
         place, then the root is fsynced. Direct (object stores, overwrite): the step directory is
         fsynced, then the manifest is written in one atomic put (exclusive unless overwriting).
-        ``fence`` runs right before the step becomes visible and raises to stop it (a writer
-        that lost its lease). ``manifest`` may be encoded already (a copy keeps its bytes).
+        ``fence`` (default: the store's) runs right before the step becomes visible and raises
+        to stop it (a writer that lost its lease). ``manifest`` may be encoded already (a copy
+        keeps its bytes).
         """
         data = manifest if isinstance(manifest, bytes) else encode_manifest(manifest)
         storage = self.storage
+        fence = fence if fence is not None else self.fence
         if plan.staged:
             assert isinstance(storage, AtomicRename), "a staged plan on a storage without rename"
             storage.write_bytes(join(plan.write_dir, MANIFEST_NAME), data)
@@ -536,10 +574,11 @@ class StepStore:
 
     def discard(self, plan: CommitPlan) -> None:
         """(coordinator) Remove what a failed attempt wrote; never a committed manifest's files.
-        Best effort: a failure is logged, not raised."""
+        Best effort: a failure is logged, not raised; a writer that lost its lease removes
+        nothing (the next holder removes the leftover)."""
         try:
             if plan.staged:
-                self.storage.remove(plan.write_dir, recursive=True)
+                self._remove(plan.write_dir, recursive=True)
                 return
             try:
                 committed = self._read_manifest_at(plan.step_dir, None)[0].attempt
@@ -549,12 +588,12 @@ class StepStore:
                 return  # it committed after all
             for name in self.storage.list_files(plan.step_dir):
                 if plan.attempt in name and is_our_file_name(name):
-                    self.storage.remove(join(plan.step_dir, name))
+                    self._remove(join(plan.step_dir, name))
             # An emptied step directory goes; a checkpoint directory (begin_dir_save) is the
             # caller's and stays.
             if plan.step_dir and not plan.overwrite and not self.storage.list_files(
                     plan.step_dir):
-                self.storage.remove(plan.step_dir, recursive=True)
+                self._remove(plan.step_dir, recursive=True)
         except (StorageError, CkptmgrError) as e:
             log.warning("could not remove files of failed attempt %s of step %d: %s",
                         plan.attempt, plan.step, e)
@@ -562,12 +601,13 @@ class StepStore:
     def remove_replaced_attempts(self, plan: CommitPlan) -> None:
         """(coordinator, after a direct commit) Remove our files of other attempts of the step:
         those an overwrite replaced and those of crashed attempts (exact attempt-file names
-        only, so a caller's own files beside them stay). Best effort."""
+        only, so a caller's own files beside them stay). Best effort; a writer that lost its
+        lease removes nothing."""
         try:
             for name in self.storage.list_files(plan.step_dir):
                 if plan.attempt not in name and is_attempt_file_name(name):
-                    self.storage.remove(join(plan.step_dir, name))
-        except StorageError as e:
+                    self._remove(join(plan.step_dir, name))
+        except (StorageError, CkptmgrError) as e:
             log.warning("could not remove files replaced by the save of step %d: %s",
                         plan.step, e)
 
@@ -579,6 +619,7 @@ class StepStore:
         stay, with their directory.
 
         Raises:
+            LeaseError: this writer does not hold the root's lease (nothing removed).
             StorageError: removing the manifest failed (the step is still committed). Later
                 failures are logged: the step is already uncommitted.
         """
@@ -586,20 +627,20 @@ class StepStore:
         if self.storage.is_symlink(sdir):
             raise UnsafeCheckpointError(f"step directory {step} in {self.url} is a symbolic "
                                         "link; not deleting through it", step=step)
-        self.storage.remove(join(sdir, MANIFEST_NAME))
+        self._remove(join(sdir, MANIFEST_NAME))
         try:
             self._remove_our_dir(sdir)
-        except StorageError as e:
+        except (StorageError, LeaseError) as e:
             log.warning("step %d is uncommitted but its files remain: %s", step, e)
 
     def _remove_our_dir(self, dirname: str) -> None:
         foreign = self.foreign_files(dirname)
         if not foreign:
-            self.storage.remove(dirname, recursive=True)
+            self._remove(dirname, recursive=True)
             return
         for name in self.storage.list_files(dirname):
             if is_our_file_name(name):
-                self.storage.remove(join(dirname, name))
+                self._remove(join(dirname, name))
         log.warning("%s/%s: left %d files ckptmgr did not write: %s", self.url, dirname,
                     len(foreign), ", ".join(foreign[:5]))
 
@@ -608,10 +649,14 @@ class StepStore:
         """(coordinator, under the lease: no other writer is in flight) Remove leftovers of
         crashed saves that are provably ours: staging directories (except ``keep_attempt``'s)
         and step directories without a manifest holding only files ckptmgr writes (except
-        ``protect``). Foreign directories are reported in the log and left alone. Best effort.
+        ``protect``). Foreign directories are reported in the log and left alone. Best effort
+        for each entry, except that a lost lease stops it at once.
 
         Returns:
             The names removed.
+
+        Raises:
+            LeaseError: this writer does not hold the root's lease (nothing more removed).
         """
         keep = set(protect)
         removed: list[str] = []
@@ -635,6 +680,7 @@ class StepStore:
             Whether it was ours (and, unless ``dry_run``, removed). Foreign ones are logged.
 
         Raises:
+            LeaseError: this writer does not hold the root's lease (nothing removed).
             StorageError: listing or removing failed.
         """
         if parse_staging_name(name) is None and not self.is_ours(name):
@@ -643,5 +689,5 @@ class StepStore:
             return False
         if not dry_run:
             log.info("removing leftover of a crashed save: %s/%s", self.url, name)
-            self.storage.remove(name, recursive=True)
+            self._remove(name, recursive=True)
         return True

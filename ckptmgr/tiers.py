@@ -12,9 +12,13 @@ local view of the state:
   layout.
 
 No process group is used to write or read a local step, so a rank never needs another node's
-disk. The ranks agree on which local steps are whole (every rank holds it, committed, and it
-verifies) with one ``all_gather`` at construction and after each local save; only those are
-listed, restored or counted by retention.
+disk. The ranks agree on which local steps are whole (every rank holds it, committed, it
+verifies, and every rank holds the *same save* of it) with one ``all_gather`` at construction
+and after each local save; only those are listed, restored or counted by retention. The save is
+named by a save id that every rank computes alike without a collective (a token the ranks agree
+on when the tier opens, and the number of local saves since) and records in its manifest: a rank
+whose re-save of a step failed still holds the older save, so the step is not whole; and a step
+whose last save failed on any rank is not whole anywhere (deleted by every rank).
 
 Call order (every collective over the caller's ``comm``, same order on every rank):
 1) (all ranks) :meth:`LocalTier.open` in the constructor: lease, scan, verify, agree.
@@ -57,12 +61,13 @@ from ckptmgr.dcp.state import flatten_state
 from ckptmgr.errors import (
     CkptmgrError,
     CorruptCheckpointError,
+    LeaseError,
     RestoreError,
     SaveError,
     StorageError,
 )
 from ckptmgr.info import StepInfo
-from ckptmgr.layout import attempt_in_name, join, step_dir_name
+from ckptmgr.layout import attempt_in_name, join, new_attempt_id, step_dir_name
 from ckptmgr.lease import Lease
 from ckptmgr.manifest import Manifest
 from ckptmgr.policy import StepRecord, steps_to_delete
@@ -118,10 +123,12 @@ def local_view(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
 
 @dataclass(frozen=True)
 class _Held:
-    """What one rank reports about one of its local steps."""
+    """What one rank reports about one of its local steps: whether it verifies, and which save
+    wrote it (None: a step written before save ids existed)."""
 
     step: int
     ok: bool
+    save: str | None = None
 
 
 class LocalTier:
@@ -147,6 +154,12 @@ class LocalTier:
         self._planners = SavePlanners()
         self._warned = False
         self._bad: set[int] = set()  # this rank's committed steps that did not verify
+        self._saves: dict[int, str | None] = {}  # this rank's committed steps: their save ids
+        self._agreed_saves: dict[int, str | None] = {}  # whole steps: the save every rank holds
+        self._session = ""  # agreed when the tier opens; with _num_saves, names each save
+        self._num_saves = 0
+        self.last_failure: str | None = None  # why the last restore of a step fell back
+        self.last_failure_touched = False  # whether that restore had written into the target
 
     @classmethod
     def open(cls, cfg: ManagerConfig, comm: Comm) -> LocalTier:
@@ -159,10 +172,12 @@ class LocalTier:
         tier = cls(cfg, comm)
         try:
             held = comm.agree(tier._open_and_verify)
+            tier._session = comm.broadcast(new_attempt_id())
         except BaseException:
             tier.close()
             raise
-        tier.steps = _whole(comm.all_gather(held), comm.world_size)
+        tier._agreed_saves = _whole(comm.all_gather(held), comm.world_size)
+        tier.steps = sorted(tier._agreed_saves)
         lost = sorted({h.step for h in held} - set(tier.steps))
         if lost:
             log.warning("local tier %s: steps %s are not whole on every rank (a replaced node, "
@@ -177,20 +192,23 @@ class LocalTier:
         if not self._read_only:
             self.lease = Lease(self.store.storage)
             self.lease.acquire(take_over=self._take_over)
+            self.store.fence = self.lease.check  # every commit and removal checks it
         held: list[_Held] = []
         for step in self.store.scan().committed:
-            held.append(_Held(step, self._verifies(step)))
-            if not held[-1].ok:
+            ok = self._verifies(step)
+            held.append(_Held(step, ok, self._saves.get(step)))
+            if not ok:
                 self._bad.add(step)
         return held
 
     def _verifies(self, step: int) -> bool:
         """Whether this rank's copy of ``step`` is ours, for this rank and world size, and every
-        file has the size and checksum of the manifest (reads every byte)."""
+        file has the size and checksum of the manifest (reads every byte). Records its save id."""
         assert self.store is not None
         try:
             m = self.store.read_manifest(step)
-            self._check_owner(m)
+            save = self._check_owner(m).get("save")
+            self._saves[step] = save if isinstance(save, str) else None
             storage, sdir = self.store.storage, step_dir_name(step)
             for entry in m.files:
                 path = join(sdir, entry.path)
@@ -235,13 +253,17 @@ class LocalTier:
         local retention. Returns the agreed failure (every rank gets the same), else None."""
         err: BaseException | None = None
         nbytes = 0
+        self._num_saves += 1  # on every rank alike: the save id needs no collective
+        save = f"{self._session}-{self._num_saves}"
         try:
-            nbytes = self._write(step, flat, metrics, metadata, trusted, num_threads)
+            nbytes = self._write(step, flat, metrics, metadata, trusted, num_threads, save)
         except Exception as e:
             err = e
         errors = comm.all_gather(None if err is None else f"{type(err).__name__}: {err}")
-        self._agree_and_prune(comm)
         failed = {r: CkptmgrError(e) for r, e in enumerate(errors) if e is not None}
+        if failed:  # its last save failed somewhere: not whole anywhere, whatever each holds
+            self._bad.add(step)
+        self._agree_and_prune(comm)
         if failed:
             r = min(failed)
             return SaveError(f"local-tier save of step {step} failed on rank {r}: {errors[r]}",
@@ -251,7 +273,8 @@ class LocalTier:
         return None
 
     def _write(self, step: int, flat: Mapping[str, Any], metrics: Mapping[str, float],
-               metadata: Mapping[str, Any], trusted: bool, num_threads: int | None) -> int:
+               metadata: Mapping[str, Any], trusted: bool, num_threads: int | None,
+               save: str) -> int:
         assert self.store is not None
         try:
             local, layout = local_view(flat)
@@ -261,9 +284,11 @@ class LocalTier:
                 log.warning("the local tier cannot hold this state (%s): only the durable tier "
                             "saves it", e)
             raise
-        info = {"rank": self.rank, "world_size": self.world_size, "dtensors": layout}
+        info = {"rank": self.rank, "world_size": self.world_size, "dtensors": layout,
+                "save": save}
         if self.lease is not None:
             self.lease.check()
+        self._saves.pop(step, None)  # from here on this rank may hold neither version whole
         plan: CommitPlan | None = self.store.begin_save(
             step, forced=False, overwrite=True, world_size=1, metrics=metrics,
             metadata={**metadata, LAYOUT_KEY: info}, on_exists="skip")
@@ -274,9 +299,10 @@ class LocalTier:
                                  planner=self._planners.get(False), trusted=trusted,
                                  num_threads=num_threads,
                                  fence=self.lease.check if self.lease is not None else None)
+        self._saves[step] = save
         if not plan.staged:
             self.store.remove_replaced_attempts(plan)
-        self._bad.discard(step)  # re-saved: whole again once every rank holds it
+        self._bad.discard(step)  # re-saved: whole again once every rank holds this save
         return outcome.bytes_written
 
     def _agree_and_prune(self, comm: Comm) -> None:
@@ -289,19 +315,25 @@ class LocalTier:
                 mine = self.store.scan().committed
             except StorageError as e:
                 log.warning("local tier %s: listing failed: %s", self.root, e)
-        held = [_Held(s, s not in self._bad) for s in mine]
-        self.steps = _whole(comm.all_gather(held), comm.world_size)[-self.max_to_keep:]
+        for s in [s for s in mine if s not in self._saves and s not in self._bad]:
+            self._bad.add(s)  # committed here, but by no save this rank knows: not trusted
+        held = [_Held(s, s not in self._bad, self._saves.get(s)) for s in mine]
+        whole = _whole(comm.all_gather(held), comm.world_size)
+        self.steps = sorted(whole)[-self.max_to_keep:]
+        self._agreed_saves = {s: whole[s] for s in self.steps}
         if self.store is None or self._read_only:
             return
-        for s in mine:
+        for s in mine:  # every removal goes through the store's fenced door
             if s in self.steps:
                 continue
             try:
-                if self.lease is not None:
-                    self.lease.check()
                 self.store.delete_step(s)
                 self._bad.discard(s)
+                self._saves.pop(s, None)
                 log.info("local retention deleted step %d from %s", s, self.root)
+            except LeaseError as e:
+                log.error("local tier %s: retention stopped: %s", self.root, e)
+                return
             except CkptmgrError as e:  # best effort: the kept steps are whole everywhere
                 log.warning("local retention could not delete step %d: %s", s, e)
         try:
@@ -312,19 +344,24 @@ class LocalTier:
     # --------------------------------------------------------------------------- reading
 
     def restore(self, step: int, state_dict: Mapping[str, Any], comm: Comm, *,
-                allow_partial: bool, trusted: bool, verify: bool) -> int | None:
+                allow_partial: bool, trusted: bool, verify: bool,
+                fallback: bool = True) -> int | None:
         """(collective) Restore ``step`` from the local tier if every rank can (the bytes read
-        on this rank), else nothing (None).
+        on this rank), else nothing (None; :attr:`last_failure` then says why, alike on every
+        rank).
 
-        Every rank first checks, without reading data, that its files are there with their sizes
-        and that the target's DTensors have the saved chunks; the ranks agree; only then does each
-        read its own files (checksums verified while reading) and the ranks agree again. Returns
-        None (on every rank) when any rank could not: the caller restores the durable tier,
-        which overwrites whatever was read, so the state never mixes the tiers.
+        Every rank first checks, without reading data, that its files are there with their sizes,
+        that it holds the save the ranks agreed on, and that the target's DTensors have the
+        saved chunks; without a ``fallback`` (the durable tier lacks the step) it also verifies
+        every checksum first, so that a damaged step never reaches the target. The ranks agree;
+        only then does each read its own files (checksums verified while reading) and the ranks
+        agree again. Returns None (on every rank) when any rank could not: the caller restores
+        the durable tier, which overwrites whatever was read, so the state never mixes the tiers.
         """
+        self.last_failure = None
         if step not in self.steps:
             return None
-        why = self._readable(step, state_dict)
+        why = self._readable(step, state_dict, verify_bytes=not fallback)
         if not self._agreed(comm, why, step, "before reading"):
             return None
         err: str | None = None
@@ -345,6 +382,8 @@ class LocalTier:
         bad = {r: w for r, w in enumerate(whys) if w is not None}
         if not bad:
             return True
+        self.last_failure = "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
+        self.last_failure_touched = when == "while reading"
         log.warning("step %d cannot be restored from the local tier (%s: %s); every rank "
                     "restores the durable tier instead", step, when,
                     "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items())))
@@ -352,12 +391,19 @@ class LocalTier:
         self._bad.add(step)  # on every rank: it never becomes whole again unless re-saved
         return False
 
-    def _readable(self, step: int, state_dict: Mapping[str, Any]) -> str | None:
-        """Why this rank cannot read ``step`` from its local tier, or None (reads no data)."""
+    def _readable(self, step: int, state_dict: Mapping[str, Any], *,
+                  verify_bytes: bool) -> str | None:
+        """Why this rank cannot read ``step`` from its local tier, or None (reads no data unless
+        ``verify_bytes``)."""
         assert self.store is not None
         try:
             m = self.store.read_manifest(step)
             info = self._check_owner(m)
+            save = info.get("save")
+            if (save if isinstance(save, str) else None) != self._agreed_saves.get(step):
+                return "it holds another save of this step than the ranks agreed on"
+            if verify_bytes and not self._verifies(step):
+                return "its files do not match their sizes and checksums"
             files = self.store.storage.list_files(step_dir_name(step))
             for entry in m.files:
                 if files.get(entry.path) != entry.size:
@@ -413,14 +459,17 @@ class LocalTier:
             self.lease = None
 
 
-def _whole(held: list[list[_Held]], world_size: int) -> list[int]:
-    """Steps every rank holds and verified, ascending."""
+def _whole(held: list[list[_Held]], world_size: int) -> dict[int, str | None]:
+    """Steps every rank holds, verified, from one and the same save: step -> that save id."""
     counts: dict[int, int] = {}
+    saves: dict[int, set[str | None]] = {}
     for per_rank in held:
         for h in per_rank:
             if h.ok:
                 counts[h.step] = counts.get(h.step, 0) + 1
-    return sorted(s for s, n in counts.items() if n == world_size)
+                saves.setdefault(h.step, set()).add(h.save)
+    return {s: next(iter(saves[s])) for s in sorted(counts)
+            if counts[s] == world_size and len(saves[s]) == 1}
 
 
 @dataclass(frozen=True)
@@ -451,19 +500,20 @@ def save_durable(store: StepStore, flat: dict[str, Any], plan: CommitPlan, comm:
                          fence=fence if comm.is_coordinator else None, arrivals=comm.arrivals)
     write_s = time.perf_counter() - t_write
     new_records, new_dcp = comm.on_coordinator(lambda: durable_after_commit(
-        store, records, plan, outcome.manifest, policy, fence, dcp_steps))
+        store, records, plan, outcome.manifest, policy, dcp_steps))
     total = sum(comm.all_gather(outcome.bytes_written))
     return DurableOutcome(outcome.bytes_written, total, write_s, new_records, list(new_dcp))
 
 
 def durable_after_commit(store: StepStore, records: dict[int, StepRecord], plan: CommitPlan,
                          manifest: Manifest | None, policy: Any,
-                         check_lease: Callable[[], None],
                          dcp_steps: Iterable[int] = ()) -> tuple[dict[int, StepRecord],
                                                                  list[int]]:
     """(coordinator) The durable tier after a commit: record it, drop replaced attempts, apply
     retention, remove leftovers of crashed saves. Retention never deletes the step this save
-    committed, the newest committed step, or anything ckptmgr did not write.
+    committed, the newest committed step, or anything ckptmgr did not write. Every removal goes
+    through the store's fenced door: a writer that lost its lease after committing removes
+    nothing (another job may be writing into the root by then).
 
     Returns:
         The new records and the plain-DCP steps of the root.
@@ -479,8 +529,10 @@ def durable_after_commit(store: StepStore, records: dict[int, StepRecord], plan:
               if s != plan.step]
     for s in doomed:
         try:
-            check_lease()
             store.delete_step(s)
+        except LeaseError as e:  # fenced: nothing more is removed by this writer
+            log.error("retention after committing step %d stopped: %s", plan.step, e)
+            return records, list(dcp_steps)
         except CkptmgrError as e:  # retention is best effort; the new step is committed
             log.warning("retention could not delete step %d: %s", s, e)
             continue

@@ -424,7 +424,8 @@ class _Writer:
             signal.signal(sig, signal.SIG_IGN)
         self.parent = os.getppid()
         apply_client_config(spec.fsspec_conf)  # the storage is configured as the trainer's
-        self.store = StepStore(open_storage(cfg.path, cfg.storage.options, writable=True))
+        self.store = StepStore(open_storage(cfg.path, cfg.storage.options, writable=True),
+                               fence=self.fence)
         self.policy = retention_policy(cfg)
         self.lease = Lease.follow(self.store.storage, spec.lease) if spec.lease else None
         self.planners = SavePlanners()

@@ -105,7 +105,9 @@ def test_second_writer_refused_reader_beside_take_over_fences(local_root: str,
 def test_fenced_writer_commit_fails_with_nothing_visible(local_root: str, tmp_path: Any,
                                                          holders: list[Holder]) -> None:
     """The take-over happens while the old writer's save is in flight (data files being
-    written): its commit, the fence, fails and the attempt is removed."""
+    written): its commit, the fence, fails; the fenced writer removes nothing, not even its own
+    attempt (every removal is fenced), and the new holder removes that leftover after its
+    next commit."""
     gate = str(tmp_path / "gate")
     os.makedirs(gate)
     a = Holder(local_root, gate_dir=gate)
@@ -119,10 +121,12 @@ def test_fenced_writer_commit_fails_with_nothing_visible(local_root: str, tmp_pa
         open(os.path.join(gate, "open"), "w").close()
         status, (kind, text) = a.answer()
         assert (status, kind) == ("err", "LeaseError"), text
-        assert _step_entries(local_root, 2) == set(), "the fenced attempt left files"
+        assert not os.path.exists(os.path.join(local_root, "2")), "the fenced attempt committed"
         assert b.all_steps() == [1]
         assert b.save(2, state(20)) is True
         assert restored_version(b, 2) == 20
+        assert not any(e.startswith(".tmp-") for e in _entries(local_root)), \
+            "the new holder left the fenced writer's leftover"
 
 
 def test_take_over_after_sigkill_of_the_holder(local_root: str, holders: list[Holder]) -> None:

@@ -60,7 +60,7 @@ from ckptmgr.dcp.planner import item_bytes
 from ckptmgr.errors import ConfigError, SaveError, UnsafeCheckpointError
 from ckptmgr.layout import data_file_name, join, metadata_file_name, parse_step_name
 from ckptmgr.manifest import FileEntry, Manifest, utc_now_iso
-from ckptmgr.step_store import CommitPlan, StepStore
+from ckptmgr.step_store import CommitPlan, StepStore, unfenced
 from ckptmgr.storage import Storage, VectoredWriter, is_url_supported, open_storage, redact_url
 
 __all__ = ["DEFAULT_IO_NICE", "DEFAULT_NUM_THREADS", "CkptStorageWriter", "CommitPlan",
@@ -481,7 +481,9 @@ class CkptStorageWriter(StorageWriter):
             self._commit(metadata, results)
             return
         assert self.plan is not None and self.storage is not None, "prepare_global_plan ran"
-        store = StepStore(self.storage)
+        # Standalone: the caller owns this directory and runs one writer (no lease exists);
+        # with a fence (the importer), removals are fenced by it like every other.
+        store = StepStore(self.storage, fence=self.fence or unfenced)
         try:
             self._commit(metadata, results)
         except BaseException:

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from ckptmgr.errors import StorageError
 from ckptmgr.storage.base import RootEntry
 
-__all__ = ["LocalReader", "LocalStorage"]
+__all__ = ["LocalReader", "LocalStorage", "open_regular"]
 
 T = TypeVar("T")
 _CHUNK = 64 * 1024 * 1024
@@ -424,6 +424,31 @@ class _DirectWriter:
             self._release()
 
 
+def open_regular(path: str) -> int:
+    """Open ``path`` for reading if it is a regular file; never blocks (a FIFO opened for
+    reading waits for a writer; with O_NONBLOCK it opens at once and is refused here) and never
+    follows a symbolic link.
+
+    Raises:
+        OSError: it is missing, a link, or not a regular file (a FIFO, device, socket,
+            directory).
+    """
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "a device")
+            raise OSError(errno.EINVAL, f"it is {kind}, not a regular file; ckptmgr reads "
+                          "regular files only: remove or rename it")
+        if getattr(os, "O_NONBLOCK", 0):
+            os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class LocalReader:
     """One open file of a step, read by ranges: ``readv_into`` scatters a range into buffers."""
 
@@ -431,7 +456,7 @@ class LocalReader:
         self._storage = storage
         self._path = path
         self._fd: int | None = storage._call(
-            "open", path, lambda: os.open(storage.abspath(path), os.O_RDONLY | _NOFOLLOW))
+            "open", path, lambda: open_regular(storage.abspath(path)))
 
     def readv_into(self, offset: int, bufs: Sequence[memoryview]) -> None:
         """Fill ``bufs`` in order with the bytes starting at ``offset`` (one ``preadv`` per batch).
@@ -540,7 +565,7 @@ class LocalStorage:
 
     @contextlib.contextmanager
     def _open_read(self, path: str) -> Iterator[int]:
-        fd = self._call("open", path, lambda: os.open(self.abspath(path), os.O_RDONLY | _NOFOLLOW))
+        fd = self._call("open", path, lambda: open_regular(self.abspath(path)))
         try:
             yield fd
         finally:

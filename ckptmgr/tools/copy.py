@@ -86,7 +86,7 @@ def _copy_one(src: Storage, dst: Storage, step: int, manifest: Manifest, raw: by
                 f"size is {sizes[f.path]} bytes, the manifest says {f.size}")
             raise CorruptCheckpointError(f"step {step}: {f.path}: {what} at the source",
                                          step=step, path=f.path)
-    store = StepStore(dst)
+    store = StepStore(dst, fence=fence)
     plan = store.begin_save(step, forced=True, overwrite=False, world_size=manifest.world_size,
                             attempt=manifest.attempt)
     assert plan is not None, "a forced save is planned or refused, never skipped"

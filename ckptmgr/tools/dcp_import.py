@@ -141,6 +141,7 @@ def import_dcp(src: str | os.PathLike[str], dst_url: str, step: int, *, trusted:
     store = StepStore(storage)
     total = sum(_numel(m.size) * _element_size(m.properties.dtype) for m in metas.values())
     with writer_lease(storage) as lease:
+        store.fence = lease.check
         plan = store.begin_save(step, forced=True, overwrite=False, world_size=1,
                                 metrics=metrics_d, metadata=meta_d)
         assert plan is not None, "a forced save is planned or refused, never skipped"

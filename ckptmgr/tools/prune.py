@@ -86,7 +86,9 @@ def prune_steps(url: str, *, keep_last: int | None = None, keep_every: int | Non
             records.append(StepRecord(step=e.step, time=t, metrics=dict(e.metrics)))
     to_delete = steps_to_delete(records, policy) if keep_last is not None else []
     store = StepStore(storage)
-    with contextlib.nullcontext() if dry_run else writer_lease(storage):
+    with contextlib.nullcontext() if dry_run else writer_lease(storage) as lease:
+        if lease is not None:
+            store.fence = lease.check  # every removal below is fenced by it
         say = log or (lambda _line: None)
         verb = "would delete" if dry_run else "deleting"
         failed: list[str] = []
