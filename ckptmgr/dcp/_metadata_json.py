@@ -59,11 +59,25 @@ from ckptmgr.manifest import ManifestError, UnsafePathError, check_json_depth
 __all__ = ["ENCODINGS", "ItemLocation", "decode_metadata", "dtype_name", "encode_metadata"]
 
 ENCODINGS = ("raw", "json", "pickle")
+# A Python value is tagged JSON, or pickle (read only when trusted); a reader that took any other
+# encoding for a value would have to guess, and must never guess pickle.
+_VALUE_ENCODINGS = ("json", "pickle")
 FORMAT = "ckptmgr-dcp-metadata"
 VERSION = 2
 VERSIONS = (1, 2)
 MAGIC = b"CKPTMDv2"  # format 2 starts with these 8 bytes, then the header length (u64 LE)
 MAX_METADATA_BYTES = 1 << 30
+_INT64 = 1 << 63  # every number in metadata is an int64 (format 2's columns are int64)
+# A chunk table stored as a constant, an arithmetic run or runs of equal values is expanded to
+# be checked: at most this many values each, and this many in all per file. The writer never
+# comes near (such a table of chunks that tile a tensor exactly once holds a few chunks: two
+# chunks that both lie inside one run have the same offsets); larger tables are packed, which
+# the file's own bytes bound.
+_MAX_TABLE_VALUES = 1 << 20
+_MAX_EXPANDED_VALUES = 1 << 24
+# Checking an irregular N-d chunk layout costs (chunks x 2**dims split) corner points; beyond
+# this many the layout is refused (no writer makes one: real layouts are grids of tiles).
+_MAX_CORNERS = 1 << 26
 # Larger metadata skips the depth pre-scan, which runs byte by byte in Python above 1 MiB (about
 # 0.1 s per MiB: most of the decode time of a 16k-rank step); the parser bounds the depth itself.
 _DEPTH_PRESCAN_BYTES = 1 << 20
@@ -85,9 +99,20 @@ def _dtype(name: Any) -> torch.dtype:
 
 def _ints(v: Any, what: str) -> list[int]:
     if not isinstance(v, list) or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
-        raise ManifestError(f"{what} must be a list of ints >= 0, got {v!r}")
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < _INT64 for x in v):
+        raise ManifestError(f"{what} must be a list of ints >= 0 (and below 2**63), got {v!r}"
+                            [:300])
     return v
+
+
+def _size(v: Any, fqn: str) -> tuple[int, ...]:
+    """A tensor's global size: ints >= 0 whose product (zeros counted as 1, so that no product
+    of some of them overflows either) fits int64, as every tensor's does."""
+    size = tuple(_ints(v, f"{fqn}.size"))
+    if math.prod(max(d, 1) for d in size) >= _INT64:
+        raise ManifestError(f"size {list(size)} of {fqn!r} holds more elements than a tensor can"
+                            [:300])
+    return size
 
 
 def _encode_v1(md: Metadata) -> bytes:
@@ -160,8 +185,8 @@ def _decode_v1(data: bytes) -> Metadata:
         # json's C parser counts its nesting against the recursion limit (it never overflows
         # the C stack), so a deep document fails here; the schema below rejects the rest.
         raise ManifestError("metadata JSON is nested too deeply") from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"metadata is not valid JSON: {e}") from e
+    except ValueError as e:  # also UnicodeDecodeError, and ints of over 4300 digits
+        raise ManifestError(f"metadata is not valid JSON: {e}"[:300]) from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError("not ckptmgr DCP metadata")
     if doc.get("version") != 1:
@@ -177,22 +202,26 @@ def _decode_v1(data: bytes) -> Metadata:
     for fqn, t in tensors.items():
         if not isinstance(t, dict) or not isinstance(t.get("chunks"), list):
             raise ManifestError(f"bad tensor entry for {fqn!r}")
-        size = _ints(t.get("size"), f"{fqn}.size")
+        size = _size(t.get("size"), fqn)
         chunks = []
+        flat: list[int] = []
         for c in t["chunks"]:
             if not isinstance(c, dict):
                 raise ManifestError(f"bad chunk for {fqn!r}")
             offs = _ints(c.get("offsets"), f"{fqn} chunk offsets")
             sizes = _ints(c.get("sizes"), f"{fqn} chunk sizes")
-            if len(offs) != len(size) or len(sizes) != len(size) or any(
-                    o + s > g for o, s, g in zip(offs, sizes, size, strict=True)):
-                raise ManifestError(f"chunk of {fqn!r} lies outside the tensor")
+            if len(offs) != len(size) or len(sizes) != len(size):
+                raise _outside(fqn)
+            flat += offs
+            flat += sizes
             chunks.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
+        _check_chunks(fqn, size, torch.tensor(flat, dtype=torch.int64).view(
+            len(chunks), 2, len(size)))
         sdm[fqn] = TensorStorageMetadata(
             TensorProperties(dtype=_dtype(t.get("dtype"))), torch.Size(size), chunks)
     for fqn in values:
-        if not isinstance(fqn, str):
-            raise ManifestError(f"bad value key {fqn!r}")
+        if not isinstance(fqn, str) or fqn in sdm:
+            raise ManifestError(f"bad or repeated value key {fqn!r}"[:300])
         sdm[fqn] = BytesStorageMetadata()
     storage_data: dict[MetadataIndex, ItemLocation] = {}
     for s in storage:
@@ -209,14 +238,134 @@ def _decode_v1(data: bytes) -> Metadata:
             raise UnsafePathError(
                 f"storage path of {fqn!r} escapes the step directory: {e}") from e
         pos, length = _ints([s.get("pos"), s.get("length")], f"{fqn} position")
-        if s.get("enc") not in ENCODINGS or not isinstance(s.get("checksum"), str):
-            raise ManifestError(f"bad encoding or checksum for {fqn!r}")
+        is_value = isinstance(sdm[fqn], BytesStorageMetadata)
+        if (s.get("enc") not in (_VALUE_ENCODINGS if is_value else ENCODINGS)
+                or not isinstance(s.get("checksum"), str) or is_value != (off is None)):
+            raise ManifestError(f"bad encoding, checksum or offset for {fqn!r}")
         storage_data[idx] = ItemLocation(file, pos, length, s["checksum"], s["enc"])
     dcp_version = doc.get("dcp_version")
     planner_data = (_decode_planner_paths(doc["planner_data"]) if doc.get("planner_data")
                     is not None else None)
     return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage_data,
                     version=dcp_version if isinstance(dcp_version, str) else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunks: inside the tensor, covering it exactly once. A restore reads only the chunks that
+# overlap what it loads, so a chunk listed twice (or a gap) would leave part of the destination
+# as it was, silently; bounds are compared, never added (2**62 + 2**62 wraps in int64).
+
+
+def _outside(fqn: str) -> ManifestError:
+    return ManifestError(f"chunk of {fqn!r} lies outside the tensor")
+
+
+def _not_once(fqn: str, why: str) -> ManifestError:
+    return ManifestError(f"chunks of {fqn!r} do not cover the tensor exactly once: {why}")
+
+
+def _check_chunks(fqn: str, size: tuple[int, ...], box: torch.Tensor) -> None:
+    """Raise ManifestError unless the chunks ``box`` (int64, ``[n, 2, ndim]``: offsets then
+    sizes, every value in [0, 2**63)) lie inside a tensor of ``size`` and cover each of its
+    elements exactly once (empty chunks cover nothing and may sit anywhere inside).
+
+    Exact, and vectorised: an interval sweep when the chunks split one dimension, a product
+    check for tiled layouts, else corner parity (below); about ``n log n`` for ``n`` chunks.
+    """
+    n, nd = box.shape[0], len(size)
+    if nd == 0:
+        if n != 1:
+            raise _not_once(fqn, f"a 0-d tensor has one chunk, the metadata lists {n}")
+        return
+    offs, lens = box[:, 0, :], box[:, 1, :]
+    limit = torch.tensor(size, dtype=torch.int64)
+    if bool((offs > limit).any()) or bool((lens > limit - offs).any()):
+        raise _outside(fqn)
+    if math.prod(size) == 0:
+        return  # no element to cover: every chunk is empty
+    full = (lens > 0).all(dim=1)
+    offs, lens = offs[full], lens[full]
+    if offs.shape[0] == 0:
+        raise _not_once(fqn, "no chunk holds any of its elements")
+    # Only the dimensions some chunk does not span whole matter (the others add nothing).
+    split = ((offs != 0) | (lens != limit)).any(dim=0).nonzero().flatten().tolist()
+    if not split:
+        if offs.shape[0] > 1:
+            raise _not_once(fqn, f"{offs.shape[0]} chunks each hold the whole tensor")
+        return
+    lo, hi = offs[:, split], offs[:, split] + lens[:, split]  # no overflow: hi <= size
+    dims = [size[d] for d in split]
+    if len(split) == 1:
+        _check_intervals(fqn, split[0], dims[0], lo[:, 0], hi[:, 0])
+    elif not _is_product_tiling(lo, hi, dims):
+        _check_corner_parity(fqn, lo, hi, dims)
+
+
+def _check_intervals(fqn: str, dim: int, length: int, lo: torch.Tensor,
+                     hi: torch.Tensor) -> None:
+    """Non-empty intervals [lo, hi) tile [0, length) exactly once: sorted, each starts where
+    the previous one ends."""
+    order = torch.argsort(lo)
+    lo, hi = lo[order], hi[order]
+    if int(lo[0]) != 0:
+        raise _not_once(fqn, f"no chunk holds [0, {int(lo[0])}) of dimension {dim}")
+    bad = (lo[1:] != hi[:-1]).nonzero().flatten()
+    if len(bad):
+        i = int(bad[0])
+        a, b = int(hi[i]), int(lo[i + 1])
+        if b < a:
+            raise _not_once(fqn, f"chunks at {int(lo[i])} and {b} of dimension {dim} overlap")
+        raise _not_once(fqn, f"no chunk holds [{a}, {b}) of dimension {dim}")
+    if int(hi[-1]) != length:
+        raise _not_once(fqn, f"no chunk holds [{int(hi[-1])}, {length}) of dimension {dim}")
+
+
+def _is_product_tiling(lo: torch.Tensor, hi: torch.Tensor, dims: list[int]) -> bool:
+    """Whether the non-empty boxes are exactly the cells of a grid: along each dimension their
+    distinct extents partition it, and there are as many distinct boxes as cells (a box is
+    made of one extent per dimension, so they are then the cells, each once). False says
+    nothing (an irregular layout may still be exact)."""
+    n = lo.shape[0]
+    cells = 1
+    for j, length in enumerate(dims):
+        extents = torch.unique(torch.stack([lo[:, j], hi[:, j]], dim=1), dim=0)  # by start
+        starts, ends = extents[:, 0], extents[:, 1]
+        if int(starts[0]) != 0 or int(ends[-1]) != length or not bool(
+                (starts[1:] == ends[:-1]).all()):
+            return False
+        cells *= extents.shape[0]
+        if cells > n:
+            return False
+    return cells == n and torch.unique(lo, dim=0).shape[0] == n
+
+
+def _check_corner_parity(fqn: str, lo: torch.Tensor, hi: torch.Tensor, dims: list[int]) -> None:
+    """Exact cover by corner parity. A box's indicator is the signed sum of the orthants at its
+    2**k corners, and orthants at distinct points are independent (mod 2 too): so the boxes
+    cover every element an odd number of times (and nothing outside, as they lie inside) exactly
+    when the corners that occur an odd number of times are the tensor's own 2**k corners. Odd
+    cover everywhere plus volumes adding up to the tensor's elements is cover exactly once."""
+    n, k = lo.shape
+    if n << k > _MAX_CORNERS:
+        raise _not_once(fqn, f"{n} chunks split {k} dimensions irregularly, more than this "
+                        "reader checks")
+    volumes = (hi - lo).prod(dim=1)  # each <= the tensor's elements: no overflow
+    # Summed in two halves of 31 bits so that overlapping boxes cannot wrap the int64 sum.
+    total = (int((volumes >> 31).sum()) << 31) + int((volumes & ((1 << 31) - 1)).sum())
+    if total != math.prod(dims):
+        how = "overlap" if total > math.prod(dims) else "leave a gap"
+        raise _not_once(fqn, f"they hold {total} of its {math.prod(dims)} elements (chunks "
+                        f"{how})")
+    bits = torch.arange(k, dtype=torch.int64)
+    corners = []
+    for mask in range(1 << k):
+        pick = ((mask >> bits) & 1).bool()
+        corners.append(torch.where(pick, hi, lo))
+    points, counts = torch.unique(torch.cat(corners), dim=0, return_counts=True)
+    odd = {tuple(p) for p in points[counts % 2 == 1].tolist()}
+    own = {tuple(dims[j] if (mask >> j) & 1 else 0 for j in range(k)) for mask in range(1 << k)}
+    if odd != own:
+        raise _not_once(fqn, "some elements are in two chunks and others in none")
 
 
 def encode_metadata(md: Metadata, *, version: int = VERSION) -> bytes:
@@ -449,32 +598,50 @@ def _encode_v2_or_raise(md: Metadata) -> bytes:
     return bytes(out)
 
 
-def _int(v: Any, what: str, lo: int = 0) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-        raise ManifestError(f"{what} must be an int >= {lo}, got {v!r}")
+def _int(v: Any, what: str, lo: int = 0, hi: int = _INT64) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
+        below = "2**63" if hi == _INT64 else hi
+        raise ManifestError(f"{what} must be an int >= {lo} and < {below}, got {v!r}"[:300])
     return v
 
 
-def _column(spec: Any, n: int, body: bytearray | memoryview, what: str, *, lo: int | None,
-            hi: int | None) -> Column:
-    """A column of ``n`` values from its header ``spec``; every value checked in [lo, hi)."""
+class _Body:
+    """The body of packed columns, and what the header's columns have taken of it so far."""
+
+    def __init__(self, data: bytearray | memoryview) -> None:
+        self.data = data
+        self.packed = 0  # bytes of packed columns (the writer packs each column on its own)
+        self.expanded = 0  # values of tables expanded from constants, runs and sequences
+
+
+def _column(spec: Any, n: int, body: _Body, what: str, *, lo: int = -_INT64,
+            hi: int = _INT64) -> Column:
+    """A column of ``n`` values from its header ``spec``; every value checked in [lo, hi).
+
+    Nothing of size ``n`` is allocated except for a packed column, which the body holds: packed
+    columns together may take at most the body's bytes (the writer never shares one), so no
+    header can make the decoder read the same bytes over and over.
+    """
     if not isinstance(spec, dict) or len(spec) != 1:
         raise ManifestError(f"bad column for {what}")
     kind, arg = next(iter(spec.items()))
     if kind == "c":
-        col = Column(n, "c", _int(arg, what, -(1 << 63)))
+        col = Column(n, "c", _int(arg, what, -_INT64))
         ends = [col[0]] if n else []
     elif kind == "a":
         if not isinstance(arg, list) or len(arg) != 2:
             raise ManifestError(f"bad column for {what}")
-        start, step = (_int(x, what, -(1 << 63)) for x in arg)
+        start, step = (_int(x, what, -_INT64) for x in arg)
+        # Both ends in int64 and the span too, so that start + i * step never wraps.
+        if n and abs((n - 1) * step) >= _INT64:
+            raise ManifestError(f"a value of {what} is out of range")
         col = Column(n, "a", start, step)
         ends = [start, start + (n - 1) * step] if n else []
     elif kind == "r":
         if not isinstance(arg, list) or len(arg) != 2 or not all(
                 isinstance(x, list) for x in arg) or len(arg[0]) != len(arg[1]):
             raise ManifestError(f"bad column for {what}")
-        vals = [_int(x, what, -(1 << 63)) for x in arg[0]]
+        vals = [_int(x, what, -_INT64) for x in arg[0]]
         run_ends = [_int(x, what, 1) for x in arg[1]]
         if any(b <= a for a, b in itertools.pairwise(run_ends)) or (
                 run_ends[-1:] != [n]):
@@ -483,19 +650,54 @@ def _column(spec: Any, n: int, body: bytearray | memoryview, what: str, *, lo: i
         ends = vals
     elif kind == "q":
         offset = _int(arg, what)
-        if offset % 8 or offset + 8 * n > len(body):
+        if offset % 8 or offset + 8 * n > len(body.data):
             raise ManifestError(f"column for {what} lies outside the metadata")
-        col = Column(n, "q", body, offset)
-        if n and (lo is not None or hi is not None):
+        body.packed += 8 * n
+        if body.packed > len(body.data):
+            raise ManifestError(f"column for {what} shares the metadata's bytes with another")
+        col = Column(n, "q", body.data, offset)
+        if n and (lo > -_INT64 or hi < _INT64):
             t = col.to_tensor()
             ends = [int(t.min()), int(t.max())]
         else:
             ends = []
     else:
-        raise ManifestError(f"bad column kind {kind!r} for {what}")
-    if ends and ((lo is not None and min(ends) < lo) or (hi is not None and max(ends) >= hi)):
+        raise ManifestError(f"bad column kind {kind!r} for {what}"[:300])
+    if ends and (min(ends) < lo or max(ends) >= hi):
         raise ManifestError(f"a value of {what} is out of range")
     return col
+
+
+def _table(spec: Any, fqn: str, size: tuple[int, ...], count: int, body: _Body) -> ChunkTable:
+    """The chunk table of ``count`` chunks of tensor ``fqn``, checked (:func:`_check_chunks`)."""
+    nd = len(size)
+    if nd == 0 and count != 1:
+        raise _not_once(fqn, f"a 0-d tensor has one chunk, the metadata lists {count}")
+    n = 2 * nd * count
+    col = _column(spec, n, body, f"{fqn} chunks", lo=0)
+    if col.kind != "q":
+        # Not bounded by the file's bytes: by the limits above, before expanding anything.
+        body.expanded += n
+        if n > _MAX_TABLE_VALUES or body.expanded > _MAX_EXPANDED_VALUES:
+            raise ManifestError(f"the chunk table of {fqn!r} ({count} chunks) is not packed; "
+                                "this reader expands at most "
+                                f"{_MAX_TABLE_VALUES} values of such tables")
+    _check_chunks(fqn, size, col.to_tensor().view(count, 2, nd))
+    return ChunkTable(size, count, col)
+
+
+def _grid(g: Any, fqn: str, size: tuple[int, ...]) -> GridChunks:
+    """The chunk grid ``[dim, step, count]`` of tensor ``fqn``, checked: inside the tensor (at
+    most one chunk starts at its end) and covering it whole."""
+    if not isinstance(g, list) or len(g) != 3:
+        raise ManifestError(f"bad chunk grid for {fqn!r}")
+    dim, step, count = (_int(x, f"{fqn} grid") for x in g)
+    if count < 1 or step < 1 or (size and (dim >= len(size) or count > -(
+            -size[dim] // step) + 1)) or (not size and count != 1):
+        raise ManifestError(f"chunk grid of {fqn!r} lies outside the tensor")
+    if len(size) and 0 not in size and count * step < size[dim]:
+        raise _not_once(fqn, f"no chunk holds [{count * step}, {size[dim]}) of dimension {dim}")
+    return GridChunks(size, dim, step, count)
 
 
 def _swap_body(body: bytearray) -> None:
@@ -519,8 +721,8 @@ def _decode_v2(data: bytes) -> Metadata:
         doc = json.loads(head.decode("utf-8"))
     except RecursionError as e:
         raise ManifestError("metadata JSON is nested too deeply") from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"metadata header is not valid JSON: {e}") from e
+    except ValueError as e:  # also UnicodeDecodeError, and ints of over 4300 digits
+        raise ManifestError(f"metadata header is not valid JSON: {e}"[:300]) from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError("not ckptmgr DCP metadata")
     if doc.get("version") != 2:
@@ -531,10 +733,11 @@ def _decode_v2(data: bytes) -> Metadata:
     # the chunks a rank restores); a column whose values are bounded is range-checked here.
     if doc.get("byteorder") not in ("little", "big"):
         raise ManifestError(f"bad byteorder {doc.get('byteorder')!r}")
-    body: bytearray | memoryview = memoryview(data)[start:]
+    packed: bytearray | memoryview = memoryview(data)[start:]
     if doc["byteorder"] != sys.byteorder:
-        body = bytearray(body)
-        _swap_body(body)
+        packed = bytearray(packed)
+        _swap_body(packed)
+    body = _Body(packed)
     files, tensors, values = doc.get("files"), doc.get("tensors"), doc.get("values")
     prefix = doc.get("checksum_prefix")
     if not isinstance(files, list) or not isinstance(tensors, list) or not isinstance(
@@ -553,27 +756,14 @@ def _decode_v2(data: bytes) -> Metadata:
         fqn = t["fqn"]
         if fqn in sdm:
             raise ManifestError(f"tensor {fqn!r} appears twice")
-        size = tuple(_ints(t.get("size"), f"{fqn}.size"))
+        size = _size(t.get("size"), fqn)
         dtype = _dtype(t.get("dtype"))
         chunks: GridChunks | ChunkTable
         if "grid" in t:
-            g = t["grid"]
-            if not isinstance(g, list) or len(g) != 3:
-                raise ManifestError(f"bad chunk grid for {fqn!r}")
-            dim, step, count = (_int(x, f"{fqn} grid") for x in g)
-            if count < 1 or step < 1 or (size and (dim >= len(size) or count > -(
-                    -size[dim] // step) + 1)) or (not size and count != 1):
-                raise ManifestError(f"chunk grid of {fqn!r} lies outside the tensor")
-            chunks = GridChunks(size, dim, step, count)
+            chunks = _grid(t["grid"], fqn, size)
         else:
-            count = _int(t.get("count"), f"{fqn} count")
-            nd = len(size)
-            col = _column(t.get("table"), 2 * nd * count, body, f"{fqn} chunks", lo=0, hi=None)
-            if count and nd:
-                box = col.to_tensor().view(count, 2, nd)
-                if bool((box[:, 0, :] + box[:, 1, :] > torch.tensor(size)).any()):
-                    raise ManifestError(f"chunk of {fqn!r} lies outside the tensor")
-            chunks = ChunkTable(size, count, col)
+            chunks = _table(t.get("table"), fqn, size, _int(t.get("count"), f"{fqn} count"),
+                            body)
         sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size),
                                          cast(list[ChunkStorageMetadata], chunks))
         loc = t.get("loc")
@@ -585,8 +775,8 @@ def _decode_v2(data: bytes) -> Metadata:
         locs[fqn] = TensorLocations(
             chunks, dtype.itemsize,
             _column(loc.get("file"), n, body, f"{fqn} files", lo=0, hi=len(files)),
-            _column(loc.get("pos"), n, body, f"{fqn} positions", lo=0, hi=None),
-            _column(loc.get("sum"), n, body, f"{fqn} checksums", lo=None, hi=None), prefix)
+            _column(loc.get("pos"), n, body, f"{fqn} positions", lo=0),
+            _column(loc.get("sum"), n, body, f"{fqn} checksums"), prefix)
     value_locs: dict[MetadataIndex, ItemLocation] = {}
     for v in values:
         if not isinstance(v, list) or not v or not isinstance(v[0], str) or v[0] in sdm:
@@ -601,7 +791,7 @@ def _decode_v2(data: bytes) -> Metadata:
         if fi >= len(files):
             raise ManifestError(f"value {fqn!r} names file {fi} of {len(files)}")
         pos, length = _int(v[2], f"{fqn} position"), _int(v[3], f"{fqn} length")
-        if v[5] not in ENCODINGS or not isinstance(v[4], str):
+        if v[5] not in _VALUE_ENCODINGS or not isinstance(v[4], str):
             raise ManifestError(f"bad encoding or checksum for {fqn!r}")
         value_locs[MetadataIndex(fqn)] = ItemLocation(files[fi], pos, length, v[4], v[5])
     dcp_version = doc.get("dcp_version")
