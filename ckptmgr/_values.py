@@ -15,7 +15,7 @@ import math
 from collections import OrderedDict
 from typing import Any
 
-from ckptmgr.manifest import ManifestError, check_json_depth
+from ckptmgr.manifest import check_json_depth
 
 __all__ = ["MAX_VALUE_BYTES", "NotRepresentableError", "decode_tagged", "decode_value",
            "encode_tagged", "encode_value", "is_representable"]
@@ -70,24 +70,42 @@ def _hashable(key: Any) -> Any:
     return key
 
 
+def _payload(tag: str, payload: Any, typ: type) -> Any:
+    if not isinstance(payload, typ):
+        raise ValueError(f"{tag} holds {type(payload).__name__}, not {typ.__name__}")
+    return payload
+
+
+def _pairs_of(tag: str, payload: Any) -> list[tuple[Any, Any]]:
+    out = []
+    for pair in _payload(tag, payload, list):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"{tag} holds {pair!r:.100}, not a [key, value] pair")
+        out.append((_hashable(_dec(pair[0])), _dec(pair[1])))
+    return out
+
+
 def _dec(obj: Any) -> Any:
+    # Every shape a tag's payload may have is checked here, so that a crafted value fails with
+    # ValueError (wrapped by the callers), never with whatever a wrong type happens to raise.
     if isinstance(obj, list):
         return [_dec(v) for v in obj]
     if isinstance(obj, dict):
         if len(obj) == 1:
             (tag, payload), = obj.items()
             if tag == "__tuple__":
-                return tuple(_dec(v) for v in payload)
+                return tuple(_dec(v) for v in _payload(tag, payload, list))
             if tag == "__float__":
                 if payload not in ("nan", "inf", "-inf"):
-                    raise ValueError(f"bad __float__ payload {payload!r}")
+                    raise ValueError(f"bad __float__ payload {payload!r:.100}")
                 return float(payload)
             if tag == "__bytes__":
-                return base64.b64decode(payload.encode("ascii"), validate=True)
+                return base64.b64decode(_payload(tag, payload, str).encode("ascii"),
+                                        validate=True)
             if tag == "__dict__":
-                return {_hashable(_dec(k)): _dec(v) for k, v in payload}
+                return dict(_pairs_of(tag, payload))
             if tag == "__odict__":
-                return OrderedDict((_hashable(_dec(k)), _dec(v)) for k, v in payload)
+                return OrderedDict(_pairs_of(tag, payload))
         return {k: _dec(v) for k, v in obj.items()}
     return obj
 
@@ -121,7 +139,7 @@ def decode_tagged(doc: Any) -> Any:
     try:
         return _dec(doc)
     except (TypeError, ValueError, AttributeError, RecursionError) as e:
-        raise ValueError(f"not a tagged JSON value: {e}") from e
+        raise ValueError(f"not a tagged JSON value: {e}"[:300]) from e
 
 
 def encode_value(obj: Any, *, allow_bytes: bool = True) -> bytes:
@@ -146,7 +164,7 @@ def decode_value(data: bytes) -> Any:
     """
     try:
         check_json_depth(data, _MAX_DEPTH + 2)
+        # ValueError covers ManifestError, bad UTF-8, bad JSON, and ints of over 4300 digits.
         return _dec(json.loads(data.decode("utf-8")))
-    except (ManifestError, UnicodeDecodeError, json.JSONDecodeError, TypeError,
-            ValueError, RecursionError) as e:
-        raise ValueError(f"not a tagged JSON value: {e}") from e
+    except (TypeError, ValueError, AttributeError, RecursionError) as e:
+        raise ValueError(f"not a tagged JSON value: {e}"[:300]) from e

@@ -91,8 +91,9 @@ def step_dir_name(step: int) -> str:
 
 
 def is_canonical_step_name(name: str) -> bool:
-    """Whether ``name`` is a canonical decimal step name (no sign, no leading zeros)."""
-    return _STEP_RE.fullmatch(name) is not None
+    """Whether ``name`` is a canonical decimal step name (no sign, no leading zeros, at most
+    :data:`MAX_STEP`: 19 digits alone would let 9999999999999999999 through)."""
+    return _STEP_RE.fullmatch(name) is not None and int(name) <= MAX_STEP
 
 
 def parse_step_name(name: str) -> int | None:
@@ -110,7 +111,9 @@ def staging_dir_name(step: int, attempt: str) -> str:
 def parse_staging_name(name: str) -> tuple[int, str] | None:
     """``(step, attempt)`` for a staging directory name, else None."""
     m = _STAGING_RE.fullmatch(name)
-    return (int(m.group(1)), m.group(2)) if m else None
+    if m is None or int(m.group(1)) > MAX_STEP:
+        return None
+    return int(m.group(1)), m.group(2)
 
 
 def data_file_name(attempt: str, rank: int, index: int = 0) -> str:

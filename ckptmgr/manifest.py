@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ckptmgr.errors import ConfigError
-from ckptmgr.layout import check_file_name
+from ckptmgr.layout import MAX_STEP, check_file_name
 
 __all__ = [
     "FORMAT_NAME",
@@ -38,6 +38,10 @@ FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 _CHECKSUM_RE = re.compile(r"xxh3_64:[0-9a-f]{16}")
+_ATTEMPT_RE = re.compile(r"[0-9a-f]{12}")  # layout.new_attempt_id: names files and directories
+_RANK_RE = re.compile(r"0|[1-9][0-9]{0,9}")
+_MAX_BYTES = (1 << 63) - 1  # sizes are read and compared as int64 by storage and torch
+_MAX_RANKS = (1 << 31) - 1  # torch.distributed's ranks and world sizes are int32
 
 
 class ManifestError(ValueError):
@@ -232,9 +236,9 @@ def _req(doc: Mapping[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
     return value
 
 
-def _nonneg_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ManifestError(f"{what} must be an int >= 0, got {value!r}")
+def _nonneg_int(value: Any, what: str, most: int = _MAX_BYTES) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+        raise ManifestError(f"{what} must be an int from 0 to {most}, got {value!r}"[:300])
     return value
 
 
@@ -250,8 +254,8 @@ def decode_manifest(data: bytes, *, expected_step: int | None = None) -> Manifes
     check_json_depth(data)
     try:
         doc = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ManifestError(f"manifest is not valid JSON: {e}") from e
+    except (ValueError, RecursionError) as e:  # ValueError: also ints of over 4300 digits
+        raise ManifestError(f"manifest is not valid JSON: {e}"[:300]) from e
     if not isinstance(doc, dict):
         raise ManifestError("manifest is not a JSON object")
     if doc.get("format") != FORMAT_NAME:
@@ -261,16 +265,19 @@ def decode_manifest(data: bytes, *, expected_step: int | None = None) -> Manifes
         raise ManifestError(
             f"manifest format_version {version} is not supported by this ckptmgr "
             f"(supports {FORMAT_VERSION}); upgrade ckptmgr")
-    step = _nonneg_int(_req(doc, "step", int), "step")
+    step = _nonneg_int(_req(doc, "step", int), "step", MAX_STEP)
     if expected_step is not None and step != expected_step:
         raise ManifestError(f"manifest names step {step} but lives in directory {expected_step}")
     time = _req(doc, "time", str)
     try:
-        datetime.fromisoformat(time.replace("Z", "+00:00"))
-    except ValueError as e:
-        raise ManifestError(f"manifest time {time!r} is not ISO 8601") from e
+        # As Manifest.unix_time reads it: a time near year 1 or 9999 can overflow there.
+        datetime.fromisoformat(time.replace("Z", "+00:00")).timestamp()
+    except (ValueError, OverflowError, OSError) as e:
+        raise ManifestError(f"manifest time {time!r} is not an ISO 8601 time"[:300]) from e
     attempt = _req(doc, "attempt", str)
-    world_size = _nonneg_int(_req(doc, "world_size", int), "world_size")
+    if not _ATTEMPT_RE.fullmatch(attempt):
+        raise ManifestError(f"manifest attempt {attempt!r} is not 12 hex digits"[:300])
+    world_size = _nonneg_int(_req(doc, "world_size", int), "world_size", _MAX_RANKS)
     byteorder = doc.get("byteorder", "little")
     if byteorder not in ("little", "big"):
         raise ManifestError(f"byteorder must be 'little' or 'big', got {byteorder!r}")
@@ -300,16 +307,22 @@ def decode_manifest(data: bytes, *, expected_step: int | None = None) -> Manifes
     bpr_raw = _req(doc, "bytes_per_rank", dict)
     bytes_per_rank: dict[int, int] = {}
     for k, v in bpr_raw.items():
-        if not (isinstance(k, str) and k.isdigit()):
-            raise ManifestError(f"bytes_per_rank key {k!r} is not a rank")
+        # Not str.isdigit: it accepts digits int() refuses ("²") and any number of them.
+        if not (isinstance(k, str) and _RANK_RE.fullmatch(k)) or int(k) > _MAX_RANKS:
+            raise ManifestError(f"bytes_per_rank key {k!r} is not a rank"[:300])
         bytes_per_rank[int(k)] = _nonneg_int(v, f"bytes_per_rank[{k}]")
     versions = _req(doc, "versions", dict)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in versions.items()):
         raise ManifestError("versions must map names to version strings")
     metrics = _req(doc, "metrics", dict)
+    floats: dict[str, float] = {}
     for k, v in metrics.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ManifestError(f"metrics[{k!r}] must be a number, got {v!r}")
+            raise ManifestError(f"metrics[{k!r}] must be a number, got {v!r}"[:300])
+        try:
+            floats[k] = float(v)  # NaN and infinities are fine (a diverged loss)
+        except OverflowError as e:
+            raise ManifestError(f"metrics[{k!r}] is too large for a float"[:300]) from e
     metadata = _req(doc, "metadata", dict)
     total = doc.get("total_bytes")
     if total is not None and total != sum(f.size for f in files):
@@ -317,6 +330,6 @@ def decode_manifest(data: bytes, *, expected_step: int | None = None) -> Manifes
     return Manifest(
         step=step, time=time, attempt=attempt, world_size=world_size,
         metadata_file=metadata_file, files=tuple(files), bytes_per_rank=bytes_per_rank,
-        versions=dict(versions), metrics={k: float(v) for k, v in metrics.items()},
+        versions=dict(versions), metrics=floats,
         metadata=metadata, mesh=doc.get("mesh"), byteorder=byteorder, format_version=version,
     )

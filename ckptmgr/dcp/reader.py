@@ -490,7 +490,8 @@ class CkptStorageReader(StorageReader):
 
     def _read_value(self, loc: ItemLocation, items: list[ReadItem], planner: LoadPlanner) -> None:
         fqn = items[0].storage_index.fqn
-        if loc.enc == "pickle" and not self.trusted:
+        # Anything but tagged JSON is unpickled below: never without trust, whatever it says.
+        if loc.enc != "json" and not self.trusted:
             where = "CkptStorageReader(..., trusted=True)" if self._standalone else "trusted=True"
             raise UnsafeCheckpointError(
                 f"{fqn!r} was stored with pickle; pass {where} to restore it only if you "
