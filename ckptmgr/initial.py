@@ -26,9 +26,12 @@ a ckptmgr root is loaded collectively.
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
 import logging
 import os
+import stat
 import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -47,7 +50,12 @@ from ckptmgr.dcp.checkpoint import (
     read_restore_source,
 )
 from ckptmgr.dcp.state import FlatState, flatten_state
-from ckptmgr.errors import ConfigError, StateMismatchError, UnsafeCheckpointError
+from ckptmgr.errors import (
+    ConfigError,
+    StateMismatchError,
+    StorageError,
+    UnsafeCheckpointError,
+)
 from ckptmgr.step_store import StepStore
 from ckptmgr.storage import open_storage
 
@@ -57,15 +65,23 @@ log = logging.getLogger("ckptmgr")
 
 KeyMap = Callable[[str], "str | None"] | Mapping[str, str]
 
-_ST_DTYPES = {
+# The one table of safetensors dtype codes: this reader and the exporter (tools/_formats.py, a
+# higher layer, which derives its codes from it) must agree on every name.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
     "I32": torch.int32, "I64": torch.int64, "U16": torch.uint16, "U32": torch.uint32,
     "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
     "F64": torch.float64, "C64": torch.complex64, "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2": torch.float8_e5m2,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
 }
-_MAX_HEADER = 100 * 1024 * 1024
+_ITEMSIZE = {code: torch.empty((), dtype=dt).element_size()
+             for code, dt in SAFETENSORS_DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+_MAX_INDEX = 100 * 1024 * 1024  # an index file (a few MB for the largest models)
+_MAX_NDIM = 64  # far above any model; bounds the work per shape before its product is formed
 _PT_SUFFIXES = (".pt", ".pth", ".bin")
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format; anything else is legacy
 
 
 @dataclass
@@ -78,69 +94,262 @@ class _SourceTensor:
     read: Callable[[], torch.Tensor]
 
 
-def _safetensors(path: str) -> list[_SourceTensor]:
-    """The tensors of one safetensors file, each read from its offsets when asked."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ConfigError(f"{path} is not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER:
-            raise ConfigError(f"{path} is not a safetensors file (header of {n} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise ConfigError(f"{path} is not a safetensors file: {e}") from e
-    base = 8 + n
-    out: list[_SourceTensor] = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _ST_DTYPES.get(entry.get("dtype"))
-        if dtype is None:
-            raise ConfigError(f"{path}: {name!r} has dtype {entry.get('dtype')!r}, which "
-                              "ckptmgr cannot read")
-        shape = tuple(int(s) for s in entry["shape"])
-        start, end = (int(x) for x in entry["data_offsets"])
+def _open_regular(path: str, what: str) -> io.BufferedReader:
+    """Open ``path`` for reading if it is a regular file, without ever blocking.
 
-        def read(start: int = start, end: int = end, shape: tuple[int, ...] = shape,
-                 dtype: torch.dtype = dtype, name: str = name) -> torch.Tensor:
-            buf = torch.empty(shape, dtype=dtype)
+    Symbolic links are followed (the Hugging Face hub cache links every file of a snapshot to
+    ``../../blobs/``); what they lead to must be a regular file. The open is non-blocking, so a
+    FIFO or a device is refused by ``fstat`` instead of waiting for a writer that never comes.
+
+    Raises:
+        ConfigError: ``path`` is missing, unreadable, or not a regular file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError as e:
+        raise ConfigError(f"{what} {path!r} does not exist") from e
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the name
+        raise ConfigError(f"cannot open {what} {path!r}: {getattr(e, 'strerror', None) or e}"
+                          ) from e
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise ConfigError(f"{what} {path!r} is {kind}; ckptmgr reads weights from regular "
+                              "files only")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_exact(f: io.BufferedReader, path: str, buf: memoryview | bytearray, what: str) -> None:
+    try:
+        got = f.readinto(buf)
+    except OSError as e:
+        raise StorageError(f"reading {what} of {path!r} failed: {e.strerror or e}") from e
+    if got != len(buf):
+        raise ConfigError(f"{path} is truncated in {what} ({got} of {len(buf)} bytes); "
+                          "copy the file again")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's dict; a name given twice is an error (json keeps the last silently)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the name {_short(k)} appears twice")
+        out[k] = v
+    return out
+
+
+def _parse_json(raw: bytes, path: str, what: str) -> Any:
+    """The JSON document ``raw`` (UTF-8, no repeated keys), or ConfigError naming ``path``."""
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError too
+        raise ConfigError(f"{path} is not a {what}: {e}") from e
+
+
+def _count(value: Any) -> int | None:
+    """``value`` if it is a non-negative JSON integer (never a bool or a float), else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def _bounded_numel(shape: tuple[int, ...], limit: int) -> int | None:
+    """The element count of ``shape``, or None once it exceeds ``limit`` (never forms a product
+    larger than ``limit`` times one dimension)."""
+    if 0 in shape:
+        return 0
+    n = 1
+    for s in shape:
+        n *= s
+        if n > limit:
+            return None
+    return n
+
+
+def _st_entry(path: str, name: str, entry: Any, data_len: int,
+              ) -> tuple[tuple[int, ...], str, int, int]:
+    """(shape, dtype code, begin, end) of one header entry, every number checked: the bytes lie
+    inside the data section and are exactly what the shape and dtype need."""
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{path} is not a valid safetensors file: tensor {name!r} {why}")
+
+    if not isinstance(entry, dict):
+        raise bad(f"is described by a {type(entry).__name__}, not an object")
+    code = entry.get("dtype")
+    if not isinstance(code, str) or code not in SAFETENSORS_DTYPES:
+        raise ConfigError(f"{path}: {name!r} has dtype {code!r}, which ckptmgr cannot read "
+                          f"(known: {sorted(SAFETENSORS_DTYPES)})")
+    raw_shape = entry.get("shape")
+    if not isinstance(raw_shape, list) or len(raw_shape) > _MAX_NDIM:
+        raise bad(f"has shape {_short(raw_shape)}; a shape is a list of at most {_MAX_NDIM} "
+                  "sizes")
+    dims = [_count(s) for s in raw_shape]
+    if any(d is None for d in dims):
+        raise bad(f"has shape {_short(raw_shape)}; sizes must be non-negative integers")
+    shape = tuple(d for d in dims if d is not None)
+    offsets = entry.get("data_offsets")
+    if not isinstance(offsets, list) or len(offsets) != 2:
+        raise bad(f"has data_offsets {_short(offsets)}; expected [begin, end]")
+    begin, end = _count(offsets[0]), _count(offsets[1])
+    if begin is None or end is None or begin > end or end > data_len:
+        raise bad(f"has data_offsets {_short(offsets)}, outside the {data_len} bytes of data "
+                  "(0 <= begin <= end <= data size)")
+    numel = _bounded_numel(shape, data_len)
+    if numel is None or numel * _ITEMSIZE[code] != end - begin:
+        raise bad(f"has {end - begin} bytes, its shape {list(shape)} of {code} needs "
+                  f"{'more than the whole file' if numel is None else numel * _ITEMSIZE[code]}")
+    return shape, code, begin, end
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _safetensors(path: str) -> list[_SourceTensor]:
+    """The tensors of one safetensors file, each read from its offsets when asked.
+
+    The header is checked whole before anything is read: its length, that it is one JSON object
+    of tensors with known dtypes, non-negative sizes and offsets inside the data section, each
+    tensor exactly the bytes its shape needs, and no two tensors sharing a byte.
+
+    Raises:
+        ConfigError: the file is not a valid safetensors file (the message says why).
+    """
+    with _open_regular(path, "safetensors file") as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = bytearray(8)
+        _read_exact(f, path, raw, "the header length")
+        (n,) = struct.unpack("<Q", raw)
+        if n > _MAX_HEADER or n > size - 8:
+            raise ConfigError(f"{path} is not a safetensors file (header of {n} bytes in a file "
+                              f"of {size} bytes)")
+        text = bytearray(n)
+        _read_exact(f, path, text, "the header")
+    header = _parse_json(bytes(text), path, "safetensors file")
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path} is not a safetensors file: its header is a "
+                          f"{type(header).__name__}, not a JSON object")
+    base = 8 + n
+    data_len = size - base
+    entries = [(name, *_st_entry(path, name, entry, data_len))
+               for name, entry in header.items() if name != "__metadata__"]
+    # Two tensors sharing bytes would alias each other's values: refuse (safetensors does too).
+    spans = sorted((b, e, name) for name, _, _, b, e in entries if e > b)
+    for (_, e1, n1), (b2, _, n2) in itertools.pairwise(spans):
+        if b2 < e1:
+            raise ConfigError(f"{path} is not a valid safetensors file: the bytes of {n1!r} and "
+                              f"{n2!r} overlap")
+    out: list[_SourceTensor] = []
+    for name, shape, code, begin, _ in entries:
+        dtype = SAFETENSORS_DTYPES[code]
+
+        def read(begin: int = begin, shape: tuple[int, ...] = shape, dtype: torch.dtype = dtype,
+                 name: str = name) -> torch.Tensor:
+            buf = torch.empty(shape, dtype=dtype)  # bounded: the header checks tied it to the file
             view = tensor_memoryview(buf)
-            if len(view) != end - start:
-                raise ConfigError(f"{path}: {name!r} has {end - start} bytes, its shape needs "
-                                  f"{len(view)}")
-            with open(path, "rb") as f:
-                f.seek(base + start)
-                if f.readinto(view) != len(view):
-                    raise ConfigError(f"{path} is truncated in the bytes of {name!r}")
+            with _open_regular(path, "safetensors file") as f:
+                f.seek(base + begin)
+                _read_exact(f, path, view, f"the bytes of {name!r}")
             return buf
 
         out.append(_SourceTensor(name, shape, dtype, read))
     return out
 
 
-def _flatten_loaded(value: Any, prefix: str, out: dict[str, torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
-        out[prefix] = value
-    elif isinstance(value, Mapping):
-        for k, v in value.items():
-            _flatten_loaded(v, f"{prefix}.{k}" if prefix else str(k), out)
+def _flatten_loaded(value: Any, out: dict[str, torch.Tensor]) -> None:
+    """Tensors of nested mappings under dotted names (iterative: a deeply nested file must not
+    exhaust the interpreter's stack)."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        prefix, v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out[prefix] = v
+        elif isinstance(v, Mapping):
+            # Reversed onto the stack so the file's order is kept.
+            stack.extend((f"{prefix}.{k}" if prefix else str(k), x)
+                         for k, x in reversed(list(v.items())))
 
 
 def _torch_file(path: str) -> list[_SourceTensor]:
-    """The tensors of a ``torch.save`` file (weights only; memory-mapped where possible)."""
-    try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    """The tensors of a ``torch.save`` file (weights only; the zip format memory-mapped).
+
+    Raises:
+        ConfigError: not a regular file, or not a ``torch.save`` file of weights (anything
+            ``torch.load(weights_only=True)`` refuses or fails on, named with its reason).
+    """
+    with _open_regular(path, "torch.save file") as f:
+        is_zip = f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
+        f.seek(0)
+        try:
+            if is_zip:
+                # mmap needs a path; the file was just checked to be a regular one.
+                loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            else:  # the legacy format cannot be memory-mapped: read from the checked file
+                loaded = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch.load raises whatever its parsers meet on bad bytes
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ConfigError(f"{path} is not a torch.save file of weights: "
+                              f"{type(e).__name__}: {_short(reason)[:300]}") from e
     flat: dict[str, torch.Tensor] = {}
-    _flatten_loaded(loaded, "", flat)
+    _flatten_loaded(loaded, flat)
+    for k, v in flat.items():
+        if v.layout != torch.strided or v.device.type != "cpu" or v.is_quantized:
+            raise ConfigError(f"{path}: {k!r} is a {v.layout} tensor on {v.device}"
+                              f"{' (quantized)' if v.is_quantized else ''}; load_initial reads "
+                              "dense CPU tensors only")
     return [_SourceTensor(k, tuple(v.shape), v.dtype, _constant(v)) for k, v in flat.items()]
 
 
 def _constant(t: torch.Tensor) -> Callable[[], torch.Tensor]:
     return lambda: t
+
+
+def _index_files(index: str, path: str) -> list[str]:
+    """The shard files a Hugging Face index names, each a plain file name inside ``path``.
+
+    Raises:
+        ConfigError: the index is not a JSON object whose ``weight_map`` maps names to names.
+        UnsafeCheckpointError: a shard name is not a plain file name (a path, ``.`` or ``..``).
+    """
+    with _open_regular(index, "index file") as f:
+        raw = f.read(_MAX_INDEX + 1)
+    if len(raw) > _MAX_INDEX:
+        raise ConfigError(f"{index} is larger than {_MAX_INDEX} bytes; not a Hugging Face index")
+    doc = _parse_json(raw, index, "Hugging Face index (JSON)")
+    weight_map = doc.get("weight_map", {}) if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()):
+        raise ConfigError(f"{index} is not a Hugging Face index: expected a JSON object whose "
+                          "'weight_map' maps tensor names to file names")
+    files = sorted(set(weight_map.values()))
+    for name in files:
+        if (name in ("", ".", "..") or "\0" in name or os.path.basename(name) != name
+                or (os.altsep is not None and os.altsep in name)):
+            raise UnsafeCheckpointError(f"{index} names {name!r}, which is not a file name "
+                                        f"inside {path}")
+    return files
+
+
+def _read_all(path: str, files: list[str], reader: Callable[[str], list[_SourceTensor]],
+              ) -> list[_SourceTensor]:
+    """The tensors of ``files`` in ``path``; a name in two files is ambiguous, so an error."""
+    out: list[_SourceTensor] = []
+    where: dict[str, str] = {}
+    for name in files:
+        for t in reader(os.path.join(path, name)):
+            if t.name in where:
+                raise ConfigError(f"{path}: tensor {t.name!r} is in both {where[t.name]} and "
+                                  f"{name}; remove one")
+            where[t.name] = name
+            out.append(t)
+    return out
 
 
 def _directory(path: str) -> list[_SourceTensor]:
@@ -149,19 +358,13 @@ def _directory(path: str) -> list[_SourceTensor]:
                                ("pytorch_model.bin.index.json", _torch_file)):
         index = os.path.join(path, index_name)
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map", {})
-            files = sorted(set(weight_map.values()))
-            for name in files:
-                if os.path.basename(name) != name:
-                    raise UnsafeCheckpointError(f"{index} names {name!r} outside {path}")
-            return [t for name in files for t in reader(os.path.join(path, name))]
+            return _read_all(path, _index_files(index, path), reader)
     for single, reader in (("model.safetensors", _safetensors),
                            ("pytorch_model.bin", _torch_file)):
         if os.path.isfile(os.path.join(path, single)):
             return reader(os.path.join(path, single))
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    return [t for name in files for t in _safetensors(os.path.join(path, name))]
+    return _read_all(path, files, _safetensors)
 
 
 def _is_file_source(path: str) -> bool:

@@ -20,16 +20,13 @@ import torch
 
 from ckptmgr.dcp import dtype_name
 from ckptmgr.errors import ConfigError
+from ckptmgr.initial import SAFETENSORS_DTYPES
 
 __all__ = ["OutTensor", "PtWriter", "pt_data_pkl", "safetensors_header"]
 
-_SAFETENSORS_DTYPES = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "int32": "I32",
-    "int64": "I64", "uint16": "U16", "uint32": "U32", "uint64": "U64", "float16": "F16",
-    "bfloat16": "BF16", "float32": "F32", "float64": "F64", "complex64": "C64",
-    "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ",
-}
+# safetensors codes by torch dtype name, from the one table the reader uses (initial.py), so
+# that whatever export writes, load_initial reads.
+_SAFETENSORS_DTYPES = {dtype_name(dt): code for code, dt in SAFETENSORS_DTYPES.items()}
 # torch.save names a storage by its legacy class where one exists, else by the dtype itself.
 _PT_STORAGE_TYPES = {
     "float32": "FloatStorage", "float64": "DoubleStorage", "float16": "HalfStorage",

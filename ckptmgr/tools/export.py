@@ -8,17 +8,19 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ckptmgr.dcp import ItemLocation, checksum, tensor_memoryview
 from ckptmgr.dcp.checkpoint import read_step_metadata
-from ckptmgr.errors import ConfigError, CorruptCheckpointError
+from ckptmgr.dcp.shards import coverage_problem
+from ckptmgr.errors import CkptmgrError, ConfigError, CorruptCheckpointError, StorageError
 from ckptmgr.layout import join, step_dir_name
 from ckptmgr.manifest import Manifest
 from ckptmgr.step_store import StepStore
@@ -126,6 +128,7 @@ class _TensorSource:
         self.sdir = step_dir_name(step)
         self.manifest = manifest
         self.locs = _locations(md)
+        self.sizes = {f.path: f.size for f in manifest.files}
 
     def _corrupt(self, path: str, msg: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"step {self.step}: {path}: {msg}", step=self.step,
@@ -155,14 +158,26 @@ class _TensorSource:
                                 f"no stored bytes for {key!r} at offsets {list(offsets)}")
         return loc
 
+    def _checked_loc(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                     dtype: torch.dtype) -> ItemLocation:
+        """The stored bytes of one chunk, checked to be exactly what the chunk needs and to lie
+        inside their file (its manifest size, which check_files compared with storage)."""
+        loc = self._loc(key, offsets)
+        need = _numel(sizes) * _element_size(dtype)
+        if loc.length != need:
+            raise self._corrupt(loc.file, f"{key!r} needs {need} bytes, the metadata says "
+                                          f"{loc.length}")
+        size = self.sizes.get(loc.file)
+        if loc.offset < 0 or (size is not None and loc.offset > size - need):
+            raise self._corrupt(loc.file, f"the bytes of {key!r} at {loc.offset} (+{need}) lie "
+                                          f"outside the file's {size} bytes")
+        return loc
+
     def _read_chunk(self, key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
                     dtype: torch.dtype) -> torch.Tensor:
-        loc = self._loc(key, offsets)
+        loc = self._checked_loc(key, offsets, sizes, dtype)
         buf = torch.empty(sizes, dtype=dtype)
         view = tensor_memoryview(buf)
-        if len(view) != loc.length:
-            raise self._corrupt(loc.file, f"{key!r} needs {len(view)} bytes, the metadata says "
-                                          f"{loc.length}")
         if len(view):
             self.storage.read_into(join(self.sdir, loc.file), loc.offset, view)
         if checksum(view) != loc.checksum:
@@ -170,17 +185,32 @@ class _TensorSource:
         return buf
 
     def tensor(self, key: str, meta: TensorStorageMetadata) -> torch.Tensor:
-        """The whole tensor ``key`` (chunks of a sharded tensor are assembled)."""
+        """The whole tensor ``key`` (chunks of a sharded tensor are assembled).
+
+        Raises:
+            CorruptCheckpointError: the chunks do not tile the tensor exactly once (a chunk
+                outside it, two overlapping, or a gap: never exported as uninitialised memory),
+                a chunk's bytes do not match its size or lie outside their file, or a checksum
+                mismatch.
+        """
         shape = tuple(int(s) for s in meta.size)
         dtype = meta.properties.dtype
-        chunks = [(tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
-                  for c in meta.chunks if _numel(c.sizes) or not _numel(meta.size)]
+        chunks = list(dict.fromkeys(
+            (tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
+            for c in meta.chunks if _numel(c.sizes) or not _numel(meta.size)))
+        problem = coverage_problem(shape, chunks)
+        if problem is not None:
+            raise self._corrupt(self.manifest.metadata_file, f"{key!r} of shape {list(shape)}: "
+                                                             f"{problem}")
+        for offsets, sizes in chunks:  # all bytes accounted for before the tensor is allocated
+            self._checked_loc(key, offsets, sizes, dtype)
         if len(chunks) == 1 and chunks[0][1] == shape:
             return self._read_chunk(key, chunks[0][0], shape, dtype)
-        if sum(_numel(s) for _, s in chunks) != _numel(shape):
-            raise self._corrupt(self.manifest.metadata_file,
-                                f"the chunks of {key!r} do not cover its shape {list(shape)}")
         full = torch.empty(shape, dtype=dtype)
+        if not full.numel():  # nothing to place; the chunks' (empty) bytes are still verified
+            for offsets, sizes in chunks:
+                self._read_chunk(key, offsets, sizes, dtype)
+            return full
         for offsets, sizes in chunks:
             part = self._read_chunk(key, offsets, sizes, dtype)
             dst = full
@@ -251,8 +281,10 @@ def export_step(url: str, step: int | None, out: str | os.PathLike[str], *,
 
     Raises:
         CheckpointNotFoundError: ``step`` is not committed.
-        CorruptCheckpointError: a size or checksum mismatch (nothing is left at ``out``).
+        CorruptCheckpointError: a size or checksum mismatch, or chunks that do not cover a
+            tensor exactly once (nothing is left at ``out``).
         ConfigError: a bad option, no tensor selected, or a dtype the format cannot store.
+        StorageError: writing the output failed (nothing is left at ``out``).
     """
     out = os.fspath(out)
     fmt = _export_format(out, format)
@@ -263,9 +295,10 @@ def export_step(url: str, step: int | None, out: str | os.PathLike[str], *,
     step, source, planned, skipped = _open_step(url, step, storage_options, only, cast)
     header = safetensors_header(planned, step) if fmt == "safetensors" else b""
     total = sum(t.out_nbytes for t in planned)
-    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    tmp = ""
     try:
-        with open(tmp, "wb") as f, _phase(progress, total, "export") as p:
+        tmp, f = _create_temp(parent, os.path.basename(out))
+        with f, _phase(progress, total, "export") as p:
             if fmt == "safetensors":
                 f.write(header)
                 for t in planned:
@@ -288,9 +321,13 @@ def export_step(url: str, step: int | None, out: str | os.PathLike[str], *,
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    except BaseException as e:
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, CkptmgrError):
+            raise StorageError(f"writing the export to {out!r} failed (nothing was left there): "
+                               f"{e.strerror or e}") from e
         raise
     return ExportResult(out, fmt, step, len(planned), total, tuple(skipped))
 
@@ -418,10 +455,11 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
     ``from_pretrained(out_dir)`` (with a ``config.json`` you add) and
     ``safetensors.torch.load_file`` read it; an index is written even for a single shard.
     Streaming: tensors are read one at a time (chunks of sharded tensors assembled and
-    checksum-verified) and appended to the shard being written, which is fsynced and renamed into
-    place when full; peak memory is about the largest tensor, never the model. The index comes
-    last, so a directory with an index holds a complete export; a failed export removes the
-    files it wrote.
+    checksum-verified) and appended to the shard being written under a temporary name; peak
+    memory is about the largest tensor, never the model. Once every shard and the index are
+    written and fsynced, they are renamed into place, the index last, so a directory with an
+    index holds a complete export. A failed export leaves the output directory as it was: files
+    of an earlier export at the same names are untouched (put back if a rename fails midway).
 
     Args:
         url: the root (local or any fsspec URL).
@@ -439,9 +477,11 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
 
     Raises:
         CheckpointNotFoundError: ``step`` is not committed.
-        CorruptCheckpointError: a size or checksum mismatch (the files written are removed).
-        ConfigError: a bad option, no tensor selected, two tensors mapped to one name, or a dtype
-            safetensors cannot store.
+        CorruptCheckpointError: a size or checksum mismatch, or chunks that do not cover a
+            tensor exactly once (the output directory is left as it was).
+        ConfigError: a bad option, no tensor selected, two tensors mapped to one name, a dtype
+            safetensors cannot store, or a directory at an output file's name.
+        StorageError: writing into ``out_dir`` failed (it is left as it was).
     """
     out_dir = os.path.abspath(os.fspath(out_dir))
     limit = parse_size(max_shard_size)
@@ -462,14 +502,25 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     headers = [safetensors_header(s, step) for s in shards]  # refuses dtypes before any write
     total = sum(t.out_nbytes for t in planned)
-    os.makedirs(out_dir, exist_ok=True)
-    written: list[str] = []
-    tmp = ""
+    for final in [*names, HF_INDEX_NAME]:
+        path = os.path.join(out_dir, final)
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise ConfigError(f"{path!r} is a directory; export --format hf writes a file of that "
+                              "name: move the directory away")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"cannot create the output directory {out_dir!r}: "
+                           f"{e.strerror or e}") from e
+    # Everything is written under fresh temporary names first; the user's files at the final
+    # names are touched only by the renames at the end (_publish), which undo themselves.
+    staged: list[tuple[str, str]] = []  # (temporary, final)
     try:
         with _phase(progress, total, "export") as p:
             for name, header, shard in zip(names, headers, shards, strict=True):
-                tmp = os.path.join(out_dir, f".{name}.tmp-{os.getpid()}")
-                with open(tmp, "wb") as f:
+                tmp, f = _create_temp(out_dir, name)
+                staged.append((tmp, os.path.join(out_dir, name)))
+                with f:
                     f.write(header)
                     for t in shard:
                         x = _converted(source, t)  # one tensor in memory at a time
@@ -478,26 +529,93 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
                         p.advance(t.out_nbytes)
                     f.flush()
                     os.fsync(f.fileno())
-                final = os.path.join(out_dir, name)
-                os.replace(tmp, final)
-                written.append(final)
         index = {"metadata": {"total_size": total},
                  "weight_map": {t.name: name for name, shard in zip(names, shards, strict=True)
                                 for t in shard}}
-        tmp = os.path.join(out_dir, f".{HF_INDEX_NAME}.tmp-{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-            f.write("\n")
+        tmp, f = _create_temp(out_dir, HF_INDEX_NAME)
+        staged.append((tmp, os.path.join(out_dir, HF_INDEX_NAME)))  # last: it completes the set
+        with f:
+            f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8") + b"\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(out_dir, HF_INDEX_NAME))
-    except BaseException:
-        for path in [tmp, *written]:
+        _publish(staged, out_dir)
+    except BaseException as e:
+        for tmp, _ in staged:
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, CkptmgrError):
+            raise StorageError(f"writing the export into {out_dir!r} failed (the directory is "
+                               f"as it was): {e.strerror or e}") from e
         raise
     return HfExportResult(out_dir, os.path.join(out_dir, HF_INDEX_NAME), tuple(names), step,
                           len(planned), total, tuple(skipped + dropped))
+
+
+def _create_temp(dirpath: str, name: str) -> tuple[str, BinaryIO]:
+    """A new, empty file for ``name`` under a temporary name in ``dirpath``, and its handle.
+
+    Created exclusively (never an existing file or a symbolic link's target) with the usual
+    permissions (0666 less the umask, as ``open`` would give the final file).
+    """
+    while True:
+        path = os.path.join(dirpath, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0),
+                         0o666)
+        except FileExistsError:
+            continue
+        return path, os.fdopen(fd, "wb")
+
+
+def _publish(staged: list[tuple[str, str]], dirpath: str) -> None:
+    """Rename each (temporary, final) pair into place, in order; if any rename fails, put back
+    what was at the final names before (a hard link kept it) and re-raise."""
+    done: list[tuple[str, str | None]] = []  # (final, its backup or None if it was new)
+    try:
+        for tmp, final in staged:
+            backup, moved = None, False
+            if os.path.lexists(final):
+                backup = os.path.join(dirpath, f".{os.path.basename(final)}.bak-{os.getpid()}-"
+                                               f"{secrets.token_hex(4)}")
+                try:
+                    os.link(final, backup, follow_symlinks=False)
+                except OSError:  # no hard links here: move it aside (briefly absent)
+                    os.replace(final, backup)
+                    moved = True
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                # The final name still holds the old file (linked), or it was moved aside.
+                with contextlib.suppress(OSError):
+                    if moved:
+                        os.replace(backup, final)  # type: ignore[arg-type]
+                    elif backup is not None:
+                        os.unlink(backup)
+                raise
+            done.append((final, backup))
+    except BaseException:
+        for final, backup in reversed(done):
+            with contextlib.suppress(OSError):
+                if backup is None:
+                    os.unlink(final)
+                else:
+                    os.replace(backup, final)
+        raise
+    for _, backup in done:
+        if backup is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(backup)
+    _fsync_dir(dirpath)
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the renames in ``path`` durable (best effort: not every platform opens a directory)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _converted(source: _TensorSource, t: _Planned) -> torch.Tensor:
