@@ -79,6 +79,7 @@ _ITEMSIZE = {code: torch.empty((), dtype=dt).element_size()
              for code, dt in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 _MAX_INDEX = 100 * 1024 * 1024  # an index file (a few MB for the largest models)
+_INT64_MAX = 2**63 - 1
 _MAX_NDIM = 64  # far above any model; bounds the work per shape before its product is formed
 _PT_SUFFIXES = (".pt", ".pth", ".bin")
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format; anything else is legacy
@@ -160,16 +161,15 @@ def _count(value: Any) -> int | None:
 
 
 def _bounded_numel(shape: tuple[int, ...], limit: int) -> int | None:
-    """The element count of ``shape``, or None once it exceeds ``limit`` (never forms a product
-    larger than ``limit`` times one dimension)."""
-    if 0 in shape:
-        return 0
+    """The element count of ``shape``, or None when the product of its non-zero sizes exceeds
+    ``limit`` (checked as it is formed, so it never grows past ``limit`` times one size)."""
     n = 1
     for s in shape:
-        n *= s
-        if n > limit:
-            return None
-    return n
+        if s:
+            n *= s
+            if n > limit:
+                return None
+    return 0 if 0 in shape else n
 
 
 def _st_entry(path: str, name: str, entry: Any, data_len: int,
@@ -200,10 +200,13 @@ def _st_entry(path: str, name: str, entry: Any, data_len: int,
     if begin is None or end is None or begin > end or end > data_len:
         raise bad(f"has data_offsets {_short(offsets)}, outside the {data_len} bytes of data "
                   "(0 <= begin <= end <= data size)")
-    numel = _bounded_numel(shape, data_len)
-    if numel is None or numel * _ITEMSIZE[code] != end - begin:
+    # torch sizes a tensor in int64 bytes, empty ones included: (2**62, 4, 0) overflows it.
+    numel = _bounded_numel(shape, _INT64_MAX // _ITEMSIZE[code])
+    if numel is None:
+        raise bad(f"has shape {_short(raw_shape)}, too large for any tensor")
+    if numel * _ITEMSIZE[code] != end - begin:
         raise bad(f"has {end - begin} bytes, its shape {list(shape)} of {code} needs "
-                  f"{'more than the whole file' if numel is None else numel * _ITEMSIZE[code]}")
+                  f"{numel * _ITEMSIZE[code]}")
     return shape, code, begin, end
 
 
@@ -368,6 +371,9 @@ def _directory(path: str) -> list[_SourceTensor]:
 
 
 def _is_file_source(path: str) -> bool:
+    if os.path.exists(path) and not os.path.isdir(path) and path.endswith(
+            (".safetensors", *_PT_SUFFIXES)):
+        return True  # a weights file, or a FIFO or device so named: refused when opened
     return os.path.isfile(path) or (os.path.isdir(path) and any(
         f.endswith((".safetensors", ".index.json")) or f == "pytorch_model.bin"
         for f in os.listdir(path)))

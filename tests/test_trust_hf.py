@@ -403,3 +403,12 @@ def test_symlinked_shards_of_the_hub_cache_still_load(mgr: ckptmgr.CheckpointMan
     state = _state()
     assert mgr.load_initial(snap, state)
     assert torch.equal(state["model"]["w"], torch.tensor([1.0, 2, 3, 4]))
+
+
+def test_fifo_given_as_the_source_is_refused(mgr: ckptmgr.CheckpointManager,
+                                             tmp_path: Path) -> None:
+    for name in ("w.safetensors", "w.pt"):
+        os.mkfifo(tmp_path / name)
+        err = _bounded(lambda n=name: mgr.load_initial(tmp_path / n, _state()), 10,
+                       tmp_path / name)
+        assert isinstance(err, ConfigError) and "not a regular file" in str(err), err
