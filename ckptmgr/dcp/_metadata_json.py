@@ -293,7 +293,8 @@ def _check_chunks(fqn: str, size: tuple[int, ...], box: torch.Tensor) -> None:
         if offs.shape[0] > 1:
             raise _not_once(fqn, f"{offs.shape[0]} chunks each hold the whole tensor")
         return
-    lo, hi = offs[:, split], offs[:, split] + lens[:, split]  # no overflow: hi <= size
+    lo = offs[:, split].contiguous()
+    hi = lo + lens[:, split]  # no overflow: hi <= size
     dims = [size[d] for d in split]
     if len(split) == 1:
         _check_intervals(fqn, split[0], dims[0], lo[:, 0], hi[:, 0])
@@ -322,21 +323,25 @@ def _check_intervals(fqn: str, dim: int, length: int, lo: torch.Tensor,
 
 def _is_product_tiling(lo: torch.Tensor, hi: torch.Tensor, dims: list[int]) -> bool:
     """Whether the non-empty boxes are exactly the cells of a grid: along each dimension their
-    distinct extents partition it, and there are as many distinct boxes as cells (a box is
-    made of one extent per dimension, so they are then the cells, each once). False says
-    nothing (an irregular layout may still be exact)."""
+    extents are the pieces of one partition (each box spans from a start to the next start),
+    and the boxes fall in distinct cells, as many as there are cells (so each cell once).
+    False says nothing (an irregular layout may still be exact). 1-d sorts only: fast."""
     n = lo.shape[0]
     cells = 1
+    cell = torch.zeros(n, dtype=torch.int64)
     for j, length in enumerate(dims):
-        extents = torch.unique(torch.stack([lo[:, j], hi[:, j]], dim=1), dim=0)  # by start
-        starts, ends = extents[:, 0], extents[:, 1]
-        if int(starts[0]) != 0 or int(ends[-1]) != length or not bool(
-                (starts[1:] == ends[:-1]).all()):
+        starts = torch.unique(lo[:, j])  # sorted
+        if int(starts[0]) != 0:
             return False
-        cells *= extents.shape[0]
+        where = torch.searchsorted(starts, lo[:, j].contiguous())
+        ends = torch.cat([starts[1:], torch.tensor([length], dtype=torch.int64)])
+        if not bool((hi[:, j] == ends[where]).all()):
+            return False
+        cells *= starts.shape[0]
         if cells > n:
             return False
-    return cells == n and torch.unique(lo, dim=0).shape[0] == n
+        cell = cell * starts.shape[0] + where  # < cells <= n: no overflow
+    return cells == n and torch.unique(cell).shape[0] == n
 
 
 def _check_corner_parity(fqn: str, lo: torch.Tensor, hi: torch.Tensor, dims: list[int]) -> None:
@@ -352,18 +357,36 @@ def _check_corner_parity(fqn: str, lo: torch.Tensor, hi: torch.Tensor, dims: lis
     volumes = (hi - lo).prod(dim=1)  # each <= the tensor's elements: no overflow
     # Summed in two halves of 31 bits so that overlapping boxes cannot wrap the int64 sum.
     total = (int((volumes >> 31).sum()) << 31) + int((volumes & ((1 << 31) - 1)).sum())
-    if total != math.prod(dims):
-        how = "overlap" if total > math.prod(dims) else "leave a gap"
-        raise _not_once(fqn, f"they hold {total} of its {math.prod(dims)} elements (chunks "
-                        f"{how})")
-    bits = torch.arange(k, dtype=torch.int64)
-    corners = []
+    numel = math.prod(dims)
+    if total != numel:
+        how = "overlap" if total > numel else "leave a gap"
+        raise _not_once(fqn, f"they hold {total} of its {numel} elements (chunks {how})")
+    # Coordinates ranked per dimension, so that a corner is one int64 key (1-d sorts are fast).
+    lo_rank, hi_rank, counts = [], [], []
+    for j, length in enumerate(dims):
+        coords, rank = torch.unique(torch.cat([lo[:, j], hi[:, j]]), return_inverse=True)
+        if int(coords[0]) != 0 or int(coords[-1]) != length:
+            raise _not_once(fqn, f"no chunk starts at 0 or ends at {length} of a dimension")
+        lo_rank.append(rank[:n])
+        hi_rank.append(rank[n:])
+        counts.append(coords.shape[0])
+    if math.prod(counts) >= _INT64:
+        raise _not_once(fqn, f"{n} chunks split {k} dimensions irregularly, more than this "
+                        "reader checks")
+    keys = []
     for mask in range(1 << k):
-        pick = ((mask >> bits) & 1).bool()
-        corners.append(torch.where(pick, hi, lo))
-    points, counts = torch.unique(torch.cat(corners), dim=0, return_counts=True)
-    odd = {tuple(p) for p in points[counts % 2 == 1].tolist()}
-    own = {tuple(dims[j] if (mask >> j) & 1 else 0 for j in range(k)) for mask in range(1 << k)}
+        key = torch.zeros(n, dtype=torch.int64)
+        for j in range(k):
+            key = key * counts[j] + (hi_rank[j] if (mask >> j) & 1 else lo_rank[j])
+        keys.append(key)
+    points, times = torch.unique(torch.cat(keys), return_counts=True)
+    odd = set(points[times % 2 == 1].tolist())
+    own = set()
+    for mask in range(1 << k):
+        corner = 0
+        for j in range(k):
+            corner = corner * counts[j] + (counts[j] - 1 if (mask >> j) & 1 else 0)
+        own.add(corner)
     if odd != own:
         raise _not_once(fqn, "some elements are in two chunks and others in none")
 
