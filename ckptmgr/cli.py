@@ -8,7 +8,10 @@ Each command is a thin layer over :mod:`ckptmgr.tools`. Conventions (docs/cli.md
   and exit status 1; a usage error exits 2; ``verify`` exits 3 when it finds damage, naming the
   corrupt files;
 - credentials in URLs (``user:pass@``, secret query values) and secret storage options never
-  appear in any output.
+  appear in any output;
+- control characters never reach the terminal: names, metrics, metadata, file names and error
+  messages come from storage, so every line printed goes through :func:`printable` (``--json``
+  escapes them as JSON does).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -31,12 +35,24 @@ from ckptmgr._redact import redact, redact_url, register_options, register_url
 from ckptmgr._version import __version__
 from ckptmgr.errors import CkptmgrError
 
-__all__ = ["EXIT_CORRUPT", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_CORRUPT", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "main", "printable"]
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_CORRUPT = 3
+
+
+# C0 and C1 control characters (ESC starts terminal escape sequences; CR and BS overwrite what
+# is on the line) and the Unicode direction overrides, which reorder what a terminal shows.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """``text`` with every control character written as its Python escape (``\\x1b``,
+    ``\\n``, ``\\u202e``): a metric name, metadata or file name read from storage can hold
+    terminal escape sequences, and the CLI prints them without letting them act."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 def _human(n: float) -> str:
@@ -138,10 +154,10 @@ class _Out:
             bar.redraw()
 
     def line(self, text: str = "") -> None:
-        self._write(self.stdout, redact(text) + "\n")
+        self._write(self.stdout, printable(redact(text)) + "\n")
 
     def note(self, text: str) -> None:
-        self._write(self.stderr, redact(f"ckptmgr: {text}") + "\n")
+        self._write(self.stderr, printable(redact(f"ckptmgr: {text}")) + "\n")
 
     def say(self, text: str) -> None:
         """A running account of what a command does: stdout in text mode, stderr with --json."""
@@ -173,6 +189,7 @@ def _isatty(stream: TextIO) -> bool:
 
 
 def _table(rows: list[list[str]], right: Sequence[int] = ()) -> list[str]:
+    rows = [[printable(c) for c in r] for r in rows]  # escaped first, so the columns line up
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for r in rows:
@@ -374,7 +391,7 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, redact(f"{self.prog}: error: {message}") + "\n")
+        self.exit(EXIT_USAGE, printable(redact(f"{self.prog}: error: {message}")) + "\n")
 
 
 def _step(text: str) -> int | None:
@@ -554,7 +571,7 @@ class _LogFormatter(logging.Formatter):
             text = " ".join(super().format(record).split("\n"))
         else:
             text = super().format(record)
-        return redact(text)
+        return "\n".join(printable(part) for part in redact(text).split("\n"))
 
 
 @contextlib.contextmanager
@@ -587,6 +604,11 @@ def _one_line(e: BaseException) -> str:
     return text or type(e).__name__
 
 
+def _write_traceback() -> None:
+    lines = redact(traceback.format_exc()).split("\n")
+    sys.stderr.write("\n".join(printable(line) for line in lines))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (the console script exits with it)."""
     parser = _build_parser()
@@ -617,12 +639,12 @@ def _run(args: argparse.Namespace, out: _Out, parser: _Parser) -> int:
         return 141
     except (CkptmgrError, OSError) as e:
         if args.debug:
-            sys.stderr.write(redact(traceback.format_exc()))
+            _write_traceback()
         out.note(f"error: {_one_line(e)}")
         return EXIT_ERROR
     except Exception as e:
         if args.debug:
-            sys.stderr.write(redact(traceback.format_exc()))
+            _write_traceback()
         out.note(f"internal error: {type(e).__name__}: {_one_line(e)} (run with --debug for the "
                  "traceback)")
         return EXIT_ERROR

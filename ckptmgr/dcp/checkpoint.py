@@ -41,6 +41,7 @@ from ckptmgr.dcp.state import FlatState, flatten_state
 from ckptmgr.dcp.writer import CkptStorageWriter
 from ckptmgr.dcp.xla import wrap_xla_tensors
 from ckptmgr.errors import (
+    CheckpointNotFoundError,
     CkptmgrError,
     ConfigError,
     LeaseError,
@@ -61,6 +62,7 @@ __all__ = [
     "RestoreSource",
     "SavePlanners",
     "WriteOutcome",
+    "deleted_while_read",
     "first_failure",
     "load_step",
     "prepare_restore",
@@ -190,28 +192,31 @@ def write_step(flat: dict[str, Any], store: StepStore, plan: CommitPlan, *, rank
     track(writer, arrivals, {"prepare_local_plan": ("plan", "plan"),
                              "prepare_global_plan": ("", None),
                              "write_data": ("write", "commit"), "finish": ("", None)})
-    try:
-        with retry_budget():  # every storage call of this save shares one retry budget
+    # Every storage call of this save shares one retry budget, the clean-up of a failed attempt
+    # too: a store gone for good fails the whole save within it (ckptmgr.storage._retry).
+    with retry_budget():
+        try:
             dcp_save(flat, writer, planner, group)
-        if arrivals is not None:
-            arrivals.phase = "commit"  # what follows (retention, the new view) is the commit's
-    except CheckpointException as e:
-        failed_rank, exc, failures = first_failure(e)
-        if rank == 0:
-            store.discard(plan)
-        if isinstance(exc, (UnsafeCheckpointError, LeaseError)):
-            raise exc from None
-        raise SaveError(f"save of step {plan.step} to {store.url} failed on rank {failed_rank}: "
-                        f"{type(exc).__name__}: {exc}", step=plan.step,
-                        failures=failures) from exc
-    except Exception as e:  # a collective failed (a rank died) or timed out
-        if rank == 0:
-            store.discard(plan)
-        if arrivals is None or isinstance(e, CkptmgrError):
-            raise
-        raise arrivals.error(e) from e
-    finally:
-        planner.release_state()  # keep the plans, not the caller's tensors
+            if arrivals is not None:
+                # what follows (retention, the new view) is the commit's
+                arrivals.phase = "commit"
+        except CheckpointException as e:
+            failed_rank, exc, failures = first_failure(e)
+            if rank == 0:
+                store.discard(plan)
+            if isinstance(exc, (UnsafeCheckpointError, LeaseError)):
+                raise exc from None
+            raise SaveError(f"save of step {plan.step} to {store.url} failed on rank "
+                            f"{failed_rank}: {type(exc).__name__}: {exc}", step=plan.step,
+                            failures=failures) from exc
+        except Exception as e:  # a collective failed (a rank died) or timed out
+            if rank == 0:
+                store.discard(plan)
+            if arrivals is None or isinstance(e, CkptmgrError):
+                raise
+            raise arrivals.error(e) from e
+        finally:
+            planner.release_state()  # keep the plans, not the caller's tensors
     return WriteOutcome(writer.manifest, writer.bytes_written)
 
 
@@ -387,3 +392,34 @@ def load_step(prepared: PreparedRestore, store: StepStore, step: int, *, rank: i
                                f"devices failed: {type(e).__name__}: {e}", step=step) from e
     prepared.state.apply_values(planner.values)
     return reader.bytes_read
+
+
+def deleted_while_read(store: StepStore, step: int,
+                       attempt: str | None = None) -> CheckpointNotFoundError | None:
+    """(coordinator, after a read of committed ``step`` failed) The error that says the step was
+    deleted while it was read (its manifest is gone: retention of the job writing the root, or a
+    prune), or replaced by another save attempt than ``attempt``; None when the step still holds
+    what was read (then the failure is the step's own: damage, or an I/O error).
+
+    A reader racing retention meets files that vanish under it ("No such file"); that is no
+    damage and no I/O failure: the step simply no longer exists.
+    """
+    try:
+        current: str | None = store.read_manifest(step).attempt
+    except CheckpointNotFoundError:  # the manifest is gone (IncompleteCheckpointError too)
+        current = None
+    except CkptmgrError:  # unreadable now, or storage failing: keep the original error
+        return None
+    if current is not None and (attempt is None or current == attempt):
+        return None
+    try:
+        available = store.committed_steps()
+    except CkptmgrError:
+        available = []
+    shown = available if len(available) <= 20 else [*available[:5], "...", *available[-10:]]
+    what = ("deleted (by the retention of the job writing this root, or a prune)"
+            if current is None else "replaced (overwritten by the job writing this root)")
+    return CheckpointNotFoundError(
+        f"step {step} was {what} while it was being read from {store.url}; it is not damaged: "
+        f"restore another step (or read it again); available steps: {shown}",
+        step=step, available=available)

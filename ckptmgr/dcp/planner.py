@@ -139,6 +139,41 @@ def balance_replicated(plans: list[SavePlan], coordinator_extra_bytes: int = 0) 
     ]
 
 
+_PLAIN_SCALARS = (type(None), bool, int, float, str, bytes)
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is made of Python scalars, lists, tuples and dicts only (at any depth):
+    nothing in it is a tensor of any kind."""
+    if isinstance(value, _PLAIN_SCALARS):
+        return True
+    if depth > 100:
+        return False  # deeper than any value we store: let DCP's walk decide (it never recurses)
+    if isinstance(value, Mapping):
+        return all(_plain(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v, depth + 1) for v in value)
+    return False
+
+
+def _keep_plain_values(given: Mapping[str, Any], flattened: Mapping[str, Any]) -> dict[str, Any]:
+    """``flattened`` (DCP's ``flatten_sharded_tensors`` of the flat dict ``given``) with every
+    plain Python value put back as it was given, in ``given``'s key order.
+
+    DCP's flattening of sharded tensors rebuilds every container that holds a mapping, by
+    walking its leaves: an empty dict has none, so ``[{"state": {}, "param_groups": [...]}]``
+    came back without ``"state"``, and int keys came back as str. A plain value holds no
+    ShardedTensor, so there is nothing in it to flatten.
+    """
+    out: dict[str, Any] = {}
+    for key, value in given.items():
+        if _plain(value):
+            out[key] = value
+        elif key in flattened:  # DCP leaves out a ShardedTensor with no local shard
+            out[key] = flattened[key]
+    return out
+
+
 def _tensor_key(t: torch.Tensor) -> tuple[Any, ...]:
     # Everything DCP's write item of a whole tensor holds (TensorProperties: dtype, layout,
     # requires_grad, pinned), plus the strides: a cheap extra that only ever forces a re-plan.
@@ -278,6 +313,15 @@ class CkptSavePlanner(DefaultSavePlanner):
         :func:`default_structure_key` of the state given to ``set_up_planner``.
         """
         return default_structure_key(state_dict)
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
+                       is_coordinator: bool = False) -> None:
+        """(all ranks) DCP's set-up (flattening when asked, then flattening sharded tensors),
+        with every plain Python value of a flat state kept exactly as given
+        (:func:`_keep_plain_values`: DCP's walk drops empty dicts)."""
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        if not self.flatten_state_dict:
+            self.state_dict = _keep_plain_values(state_dict, self.state_dict)
 
     def clear_plan_cache(self) -> None:
         """Forget every cached plan (the next save plans afresh).
@@ -456,6 +500,15 @@ class CkptLoadPlanner(DefaultLoadPlanner):
                          allow_partial_load=allow_partial_load)
         self.trusted = trusted
         self.values: dict[str, Any] = {}
+
+    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        """(all ranks) DCP's set-up, with every plain Python value of a flat state kept as given
+        (:func:`_keep_plain_values`): DCP's walk would leave a value such as ``[{}]`` out of the
+        state to load, so it would never be read."""
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if not self.flatten_state_dict:
+            self.state_dict = _keep_plain_values(state_dict, self.state_dict)
 
     def load_value(self, read_item: ReadItem, value: Any) -> None:
         """(all ranks) Take the decoded Python value of ``read_item``."""

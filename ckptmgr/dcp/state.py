@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from ckptmgr.dcp.shards import ShardedTensor
 from ckptmgr.errors import ConfigError
 
-__all__ = ["FlatState", "flatten_state", "set_at_path"]
+__all__ = ["FlatState", "check_state_dict", "flatten_state", "set_at_path"]
 
 PathKey = str | int
 _TENSORS = (torch.Tensor, ShardedTensor)
@@ -82,6 +82,26 @@ def _holds_tensor(value: Any, depth: int = 0) -> bool:
     return False
 
 
+def check_state_dict(state_dict: Any, *, what: str = "state_dict") -> Mapping[str, Any]:
+    """``state_dict`` when it is a mapping (the argument of save, save_async and restore), checked
+    before any I/O.
+
+    Raises:
+        ConfigError: anything else (a list, None, a tensor, a module), naming its type and what is
+            expected.
+    """
+    if isinstance(state_dict, Mapping):
+        return state_dict
+    hint = ""
+    if isinstance(state_dict, Stateful):
+        hint = " (wrap the object in a dict: {'model': model})"
+    elif isinstance(state_dict, (torch.Tensor, ShardedTensor)):
+        hint = " (give the tensor a name: {'weights': tensor})"
+    raise ConfigError(
+        f"{what} must be a dict of the state to save or restore, e.g. "
+        f"{{'model': model, 'optim': optimizer}}, got {type(state_dict).__name__}{hint}")
+
+
 def flatten_state(state_dict: Mapping[str, Any]) -> FlatState:
     """Flatten ``state_dict``; calls ``state_dict()`` on every Stateful found.
 
@@ -89,10 +109,7 @@ def flatten_state(state_dict: Mapping[str, Any]) -> FlatState:
         ConfigError: the state dict is not a mapping, has a key that is not str/int, or two paths
             flatten to the same key.
     """
-    if not isinstance(state_dict, Mapping):
-        raise ConfigError(
-            f"state_dict must be a dict (e.g. {{'model': model, 'optim': optimizer}}), "
-            f"got {type(state_dict).__name__}")
+    check_state_dict(state_dict)
     fs = FlatState()
     fs.roots.append(_Root(state_dict))
     origin: dict[str, str] = {}

@@ -8,10 +8,16 @@ attempts and in total time, then the last error is re-raised for the caller to w
 ``StorageError``.
 
 One operation of the caller (a save, a restore, opening a root) may run many storage calls, on
-several threads; under :func:`retry_budget` they all draw from one budget: the time spent in failed
-attempts and in backoff sleeps, summed over every call, never exceeds it. Once it is spent, the
-next transient failure is raised at once. So a store that is gone for good fails a whole save
-within the budget, not once per upload part.
+several threads; under :func:`retry_budget` they all share one budget (:class:`RetryBudget`), a
+deadline for the operation's failures: its first transient failure starts the clock, and from then
+on every retry loop and every backoff sleep checks the time left, and no new request starts past
+the deadline while the store is still failing (the call fails at once with
+:class:`RetryBudgetSpent`, the last failure as its cause). A call that succeeds ends the outage:
+a long save that met a short outage has its whole budget for the next one. The time spent in
+failed attempts and in backoff sleeps, summed over every call, is bounded by the same budget. So
+a store that is gone for good fails a whole save (its writes, its commit, the clean-up of what it
+wrote) within the budget plus at most the request in flight on each thread, not once per upload
+part or once per call.
 
 Only transient failures are retried: server errors (5xx), throttling (429, ``SlowDown``), request
 timeouts and broken connections. "Not found", "exists", "forbidden" and bad requests never are.
@@ -32,8 +38,9 @@ from typing import TypeVar
 
 __all__ = [
     "DEFAULT_POLICY",
-    "RetryPolicy",
     "RetryBudget",
+    "RetryBudgetSpent",
+    "RetryPolicy",
     "call_with_retries",
     "current_budget",
     "exception_chain",
@@ -99,22 +106,99 @@ class RetryPolicy:
 DEFAULT_POLICY = RetryPolicy()
 
 
-class RetryBudget:
-    """Seconds of failed attempts and backoff that one operation may still spend (thread-safe)."""
+def _now() -> float:
+    """The clock of every deadline here (looked up at call time: tests replace it)."""
+    return time.monotonic()
 
-    def __init__(self, seconds: float) -> None:
+
+def _sleep(seconds: float) -> None:
+    """Every backoff sleep here (looked up at call time: tests replace it)."""
+    time.sleep(seconds)
+
+
+class RetryBudgetSpent(TimeoutError):
+    """An operation's storage call refused without a request: the store has been failing for
+    the operation's whole retry budget (the last failure is the ``__cause__``)."""
+
+
+class RetryBudget:
+    """The retry budget of one operation, shared by all its storage calls (thread-safe).
+
+    Two bounds, both ``seconds``: a deadline, started by the operation's first transient failure
+    and cleared by the next call that succeeds (:meth:`failed`, :meth:`succeeded`); and the time
+    spent in failed attempts and backoff sleeps, summed over every call (:meth:`spend`).
+
+    Args:
+        seconds: the budget.
+        clock: the monotonic clock of the deadline (None: this module's; tests inject one).
+    """
+
+    def __init__(self, seconds: float, *, clock: Callable[[], float] | None = None) -> None:
         self.seconds = float(seconds)
+        self._clock = clock
         self._spent = 0.0
+        self._deadline: float | None = None
+        self._attempt_s = 0.0  # how long the last failed attempt took
+        self.last_error: BaseException | None = None
         self._lock = threading.Lock()
 
+    def now(self) -> float:
+        """The budget's clock."""
+        return self._clock() if self._clock is not None else _now()
+
     def spend(self, seconds: float) -> None:
+        """Count ``seconds`` of a failed attempt or a backoff sleep."""
         with self._lock:
             self._spent += max(0.0, seconds)
 
+    def failed(self, err: BaseException, started: float, ended: float) -> None:
+        """A call's attempt failed transiently (it ran from ``started`` to ``ended`` on the
+        budget's clock): start the deadline unless an outage already started it."""
+        with self._lock:
+            self.last_error = err
+            self._attempt_s = max(0.0, ended - started)
+            if self._deadline is None:
+                self._deadline = started + self.seconds
+
+    def succeeded(self) -> None:
+        """A call succeeded: the outage (if any) is over, the deadline is cleared."""
+        if self._deadline is not None:
+            with self._lock:
+                self._deadline = None
+
+    @property
+    def deadline(self) -> float | None:
+        """When the running outage exhausts the budget (budget clock); None while none runs."""
+        with self._lock:
+            return self._deadline
+
+    @property
+    def attempt_s(self) -> float:
+        """How long the last failed attempt took (what another one would likely take: clients
+        retry connection errors themselves, seconds per attempt)."""
+        with self._lock:
+            return self._attempt_s
+
     @property
     def remaining_s(self) -> float:
+        """Seconds of the budget left: the smaller of the deadline's (when an outage runs) and
+        the summed time's."""
         with self._lock:
-            return self.seconds - self._spent
+            left = self.seconds - self._spent
+            deadline = self._deadline
+        if deadline is not None:
+            left = min(left, deadline - self.now())
+        return left
+
+    def check(self, what: str) -> None:
+        """Before a call: raise :class:`RetryBudgetSpent` when a running outage leaves less
+        time than a failed attempt takes (the store is still failing: a new request would only
+        end this operation later than its budget)."""
+        if self.deadline is None or self.remaining_s > self.attempt_s:
+            return
+        raise RetryBudgetSpent(
+            f"{what}: not attempted, the store has been failing for this operation's whole "
+            f"retry budget of {self.seconds:g} s") from self.last_error
 
 
 _BUDGET: contextvars.ContextVar[RetryBudget | None] = contextvars.ContextVar(
@@ -124,8 +208,9 @@ _BUDGET: contextvars.ContextVar[RetryBudget | None] = contextvars.ContextVar(
 @contextmanager
 def retry_budget(seconds: float | None = None) -> Iterator[RetryBudget]:
     """Make every storage call in this block (and in threads started through :func:`in_budget`)
-    share one retry budget of ``seconds`` (None: :data:`DEFAULT_POLICY`'s total timeout). An
-    enclosing budget is kept: nested operations draw from the outer one."""
+    share one retry budget of ``seconds`` (None: :data:`DEFAULT_POLICY`'s ``total_timeout_s``,
+    read now: the knob). An enclosing budget is kept: nested operations draw from the outer
+    one."""
     outer = _BUDGET.get()
     if outer is not None:
         yield outer
@@ -209,32 +294,43 @@ def is_transient(err: BaseException) -> bool:
 
 def call_with_retries(fn: Callable[[], T], *, what: str, policy: RetryPolicy | None = None,
                       transient: Callable[[BaseException], bool] = is_transient) -> T:
-    """Run ``fn``; retry it on transient failures per ``policy``; re-raise the last failure.
+    """Run ``fn``; retry it on transient failures per ``policy`` and within the operation's
+    budget (:func:`retry_budget`); re-raise the last failure.
 
     Args:
         fn: the whole operation; it must be safe to run again after a failure.
         what: names the operation and object in log lines (already redacted by the caller).
         policy: bounds and backoff (None: :data:`DEFAULT_POLICY` at call time).
         transient: which failures to retry.
+
+    Raises:
+        RetryBudgetSpent: before any request, when the operation's budget ran out in an outage
+            that is still going on.
     """
     policy = policy or DEFAULT_POLICY
     budget = _BUDGET.get()
-    start = time.monotonic()
+    clock = budget.now if budget is not None else _now
+    if budget is not None:
+        budget.check(what)
+    start = clock()
     delays = policy.delays()
     attempt = 1
     while True:
-        t_attempt = time.monotonic()
+        t_attempt = clock()
         try:
-            return fn()
+            result = fn()
         except Exception as e:
             if not transient(e):
                 raise
-            now = time.monotonic()
+            now = clock()
+            left = float("inf")
             if budget is not None:
                 budget.spend(now - t_attempt)
+                budget.failed(e, t_attempt, now)
+                # A retry that cannot fail again before the deadline is not started.
+                left = budget.remaining_s - budget.attempt_s
             delay = next(delays, None)
             elapsed = now - start
-            left = budget.remaining_s if budget is not None else float("inf")
             if delay is None or elapsed + delay > policy.total_timeout_s or delay > left:
                 why = " (the operation's retry budget is spent)" if delay is not None and (
                     delay > left) else ""
@@ -245,5 +341,9 @@ def call_with_retries(fn: Callable[[], T], *, what: str, policy: RetryPolicy | N
                      type(e).__name__, delay)
             if budget is not None:
                 budget.spend(delay)
-            time.sleep(delay)
+            _sleep(delay)
             attempt += 1
+        else:
+            if budget is not None:
+                budget.succeeded()
+            return result

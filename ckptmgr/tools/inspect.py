@@ -6,6 +6,7 @@ Nothing here writes. Damage found by :func:`verify_steps` is reported in its res
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,8 +14,14 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ckptmgr.dcp import Hasher, ItemLocation, dtype_name
-from ckptmgr.dcp.checkpoint import read_step_metadata
-from ckptmgr.errors import CkptmgrError, CorruptCheckpointError, StorageError
+from ckptmgr.dcp.checkpoint import deleted_while_read, read_step_metadata
+from ckptmgr.errors import (
+    CheckpointNotFoundError,
+    CkptmgrError,
+    CorruptCheckpointError,
+    StorageError,
+    UnsafeCheckpointError,
+)
 from ckptmgr.info import StepInfo
 from ckptmgr.layout import (
     MANIFEST_NAME,
@@ -47,6 +54,8 @@ __all__ = [
     "list_steps",
     "verify_steps",
 ]
+
+log = logging.getLogger("ckptmgr")
 
 
 @dataclass(frozen=True)
@@ -145,12 +154,20 @@ def inspect_step(url: str, step: int | None = None, *,
     Raises:
         CheckpointNotFoundError: ``step`` is not committed (IncompleteCheckpointError when it
             exists but never committed); lists the available steps.
+            Also when the step was deleted (or replaced) while it was read.
         CorruptCheckpointError: the manifest or metadata does not parse or does not match.
     """
     storage = open_storage(url, storage_options, writable=False)
-    step = StepStore(storage).resolve(step)
-    manifest, _ = StepStore(storage).read_manifest_bytes(step)
-    md = read_step_metadata(StepStore(storage), step, manifest)
+    store = StepStore(storage)
+    step = store.resolve(step)
+    manifest, _ = store.read_manifest_bytes(step)
+    try:
+        md = read_step_metadata(store, step, manifest)
+    except (CorruptCheckpointError, StorageError) as e:
+        gone = deleted_while_read(store, step, manifest.attempt)
+        if gone is not None:  # retention of a job writing the root: not damage
+            raise gone from e
+        raise
     locs = _locations(md)
     tensors: list[TensorEntry] = []
     values: list[ValueEntry] = []
@@ -215,6 +232,10 @@ class StepVerification:
                 "problems": [p.to_json() for p in self.problems]}
 
 
+# Problems that mean "a file is gone": damage, unless the whole step went (deleted_while_read).
+_VANISHED = frozenset({"file is missing", "file disappeared while being read"})
+
+
 class _RangeHashes:
     """Checksums of several byte ranges of one file, fed with the file's chunks in order."""
 
@@ -242,10 +263,13 @@ class _RangeHashes:
 
 
 def _verify_one(storage: Storage, step: int, p: Progress) -> StepVerification:
+    """Re-read ``step``; raises CheckpointNotFoundError when it was deleted (or replaced) while
+    it was read: that is not damage."""
     sdir = step_dir_name(step)
     try:
         manifest, _ = StepStore(storage).read_manifest_bytes(step)
-    except CorruptCheckpointError as e:
+    except (CorruptCheckpointError, UnsafeCheckpointError) as e:
+        # A manifest naming a path outside the step (``../../etc/passwd``) is damage too.
         return StepVerification(step, 0, 0, (Problem(MANIFEST_NAME, str(e)),))
     problems: list[Problem] = []
     sizes = _file_sizes(storage, sdir, [f.path for f in manifest.files])
@@ -264,7 +288,7 @@ def _verify_one(storage: Storage, step: int, p: Progress) -> StepVerification:
     if not any(pr.path == md_name for pr in problems):
         try:
             md = read_step_metadata(StepStore(storage), step, manifest)
-        except CorruptCheckpointError as e:
+        except (CorruptCheckpointError, UnsafeCheckpointError) as e:
             problems.append(Problem(md_name, str(e).split(": ", 2)[-1]))
         else:
             listed = {f.path: f.size for f in manifest.files}
@@ -298,6 +322,10 @@ def _verify_one(storage: Storage, step: int, p: Progress) -> StepVerification:
                 raise  # an I/O failure is an error, not a verdict on the checkpoint
             problems.append(Problem(f.path, "file disappeared while being read"))
             continue
+    if any(pr.reason in _VANISHED for pr in problems):
+        gone = deleted_while_read(StepStore(storage), step, manifest.attempt)
+        if gone is not None:  # retention of a job writing the root: not damage
+            raise gone
         if hasher.value() != f.checksum:
             problems.append(Problem(f.path, f"checksum is {hasher.value()}, the manifest says "
                                             f"{f.checksum}"))
@@ -328,9 +356,12 @@ def verify_steps(url: str, steps: Sequence[int | None] | None = None, *, all_ste
 
     Returns:
         One :class:`StepVerification` per step, ascending; damage is reported there, not raised.
+        With ``all_steps``, a step deleted while it was read (retention of a job writing the
+        root) is left out (logged): it is no longer a committed step.
 
     Raises:
-        CheckpointNotFoundError: a requested step is not committed (or none is, for the default).
+        CheckpointNotFoundError: a requested step is not committed (or none is, for the default),
+            or was deleted (or replaced) while it was read.
         StorageError: reading failed for a reason other than damage.
     """
     storage = open_storage(url, storage_options, writable=False)
@@ -353,5 +384,13 @@ def verify_steps(url: str, steps: Sequence[int | None] | None = None, *, all_ste
     for s in chosen:
         with contextlib.suppress(CkptmgrError):
             total += StepStore(storage).read_manifest_bytes(s)[0].total_bytes
+    results: list[StepVerification] = []
     with _phase(progress, total, "verify") as p:
-        return [_verify_one(storage, s, p) for s in chosen]
+        for s in chosen:
+            try:
+                results.append(_verify_one(storage, s, p))
+            except CheckpointNotFoundError as e:
+                if not all_steps:
+                    raise
+                log.warning("verify: %s", e)  # no longer committed: nothing to verify
+    return results

@@ -7,7 +7,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptmgr.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckptmgr.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnsafeCheckpointError,
+)
 from ckptmgr.layout import MANIFEST_NAME, parse_staging_name, parse_step_name
 from ckptmgr.step_store import DCP_METADATA_NAME, StepStore
 from ckptmgr.storage import open_storage
@@ -34,7 +38,8 @@ class StepListing:
         step: the step number.
         committed: whether ``<name>/commit.json`` exists (a step is committed exactly then).
         status: ``"committed"``, ``"incomplete"`` (no manifest: a crashed or in-flight save) or
-            ``"unreadable"`` (a manifest that does not parse; restore would refuse it) or
+            ``"unreadable"`` (a manifest that does not parse, or names a path outside its
+            step directory; restore would refuse it) or
             ``"dcp"`` (written by plain DCP: torch_xla, torchtitan; restorable with
             ``trusted=True``, never written or deleted by ckptmgr).
         time: commit time (UTC ISO 8601), None unless the manifest was read.
@@ -70,7 +75,9 @@ def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None,
     Reads each committed step's manifest (for time, size and metrics); lists each leftover's files;
     a plain-DCP step is found by its ``.metadata`` file, never read (it is pickle). A root that
     does not exist is empty, unless ``must_exist``. Symlinked entries and names ckptmgr does not
-    write are skipped.
+    write are skipped. One bad step never hides the others: a manifest that is damaged or unsafe
+    is listed as ``"unreadable"`` with the reason, and a step deleted while the root is listed
+    (retention of a job writing it) is left out.
 
     Raises:
         ConfigError, BackendNotInstalledError: a bad URL (see :func:`ckptmgr.storage.open_storage`).
@@ -91,7 +98,9 @@ def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None,
         if step is not None and entry.has_marker:
             try:
                 m, _ = StepStore(storage).read_manifest_bytes(step)
-            except CorruptCheckpointError as e:
+            except CheckpointNotFoundError:
+                continue  # deleted since the listing (retention): no longer a step
+            except (CorruptCheckpointError, UnsafeCheckpointError) as e:
                 size = sum(storage.list_files(entry.name).values())
                 out.append(StepListing(entry.name, step, True, "unreadable", None, size, None,
                                        {}, str(e)))
