@@ -322,10 +322,6 @@ def _verify_one(storage: Storage, step: int, p: Progress) -> StepVerification:
                 raise  # an I/O failure is an error, not a verdict on the checkpoint
             problems.append(Problem(f.path, "file disappeared while being read"))
             continue
-    if any(pr.reason in _VANISHED for pr in problems):
-        gone = deleted_while_read(StepStore(storage), step, manifest.attempt)
-        if gone is not None:  # retention of a job writing the root: not damage
-            raise gone
         if hasher.value() != f.checksum:
             problems.append(Problem(f.path, f"checksum is {hasher.value()}, the manifest says "
                                             f"{f.checksum}"))
@@ -333,6 +329,10 @@ def _verify_one(storage: Storage, step: int, p: Progress) -> StepVerification:
         if bad:
             shown = ", ".join(repr(b) for b in bad[:5]) + (", ..." if len(bad) > 5 else "")
             problems.append(Problem(f.path, f"item checksum mismatch in {shown}"))
+    if any(pr.reason in _VANISHED for pr in problems):
+        gone = deleted_while_read(StepStore(storage), step, manifest.attempt)
+        if gone is not None:  # retention of a job writing the root: not damage
+            raise gone
     return StepVerification(step, len(readable), nbytes, tuple(problems))
 
 
