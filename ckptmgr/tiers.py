@@ -49,6 +49,7 @@ from ckptmgr.config import ManagerConfig
 from ckptmgr.dcp import Hasher, shards
 from ckptmgr.dcp.checkpoint import (
     SavePlanners,
+    deleted_while_read,
     load_step,
     prepare_restore,
     read_restore_source,
@@ -542,6 +543,9 @@ def durable_after_commit(store: StepStore, records: dict[int, StepRecord], plan:
         scan = store.scan()
         store.remove_leftovers(scan, keep_attempt=plan.attempt)
         return records, scan.dcp_steps
+    except LeaseError as e:
+        log.error("after committing step %d: no leftovers removed: %s", plan.step, e)
+        return records, list(dcp_steps)
     except CkptmgrError as e:
         log.warning("after committing step %d: could not list the root to remove leftovers: %s",
                     plan.step, e)
@@ -602,6 +606,10 @@ def restore_durable(store: StepStore, step: int, state_dict: Mapping[str, Any], 
             # Read it again; only a step that stayed the same is damaged.
             if attempt is None:  # failed before the manifest was agreed: the file names it
                 attempt = attempt_in_name(getattr(e, "path", None))
+            # Deleted meanwhile (retention of the job writing the root): not damaged, gone.
+            deleted = comm.on_coordinator(partial(deleted_while_read, store, step))
+            if deleted is not None:
+                raise deleted from e
             if attempt is None or not comm.on_coordinator(
                     partial(_overwritten, store, step, attempt)):
                 raise

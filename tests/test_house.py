@@ -187,3 +187,74 @@ def test_no_private_module_of_another_package() -> None:
             if not (me == owner or me.startswith(owner + ".")):
                 problems.append(f"{me} imports {mod}, private to {owner}")
     assert not problems, "\n".join(problems)
+
+
+# The one door for deletions (issue 25): everything ckptmgr removes under a root goes through
+# StepStore._remove, which checks the writer lease first. These are the only other places that
+# may remove anything, each with the reason it is not under a root's lease.
+_REMOVERS = {"remove", "rm", "rm_file", "rmdir", "unlink", "rmtree", "removedirs", "delete"}
+_DOORS = {
+    ("step_store.py", "StepStore._remove"): "the door itself",
+    ("lease.py", "Lease.release"): "the lease file itself, only while it still names this writer",
+    ("integrations/lightning.py", "CkptmgrCheckpointIO.remove_checkpoint"):
+        "a pointer file in the user's Lightning directory, asked for by Lightning",
+    ("tools/export.py", "*"): "export's own temporary files in the user's output directory",
+}
+
+
+def _removals(tree: ast.AST) -> list[tuple[str, str, int]]:
+    """(enclosing Class.function, called name, line) of every call to a remover."""
+    found: list[tuple[str, str, int]] = []
+
+    def walk(node: ast.AST, where: list[str]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                walk(child, [*where, child.name])
+                continue
+            if isinstance(child, ast.Call):
+                f = child.func
+                name = f.attr if isinstance(f, ast.Attribute) else (
+                    f.id if isinstance(f, ast.Name) else None)
+                if name in _REMOVERS:
+                    found.append((".".join(where), name, child.lineno))
+            walk(child, where)
+
+    walk(tree, [])
+    return found
+
+
+def test_one_door_for_deletions() -> None:
+    problems = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel.startswith("storage/"):  # the Storage implementations' own remove()
+            continue
+        for where, name, line in _removals(ast.parse(path.read_text())):
+            if (rel, where) in _DOORS or (rel, "*") in _DOORS:
+                continue
+            problems.append(f"{rel}:{line} {where}() calls {name}(): remove only through "
+                            "StepStore._remove, which checks the writer lease first")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_door_is_fenced_and_readers_remove_nothing(tmp_path: Path) -> None:
+    import pytest
+
+    from ckptmgr.errors import LeaseError
+    from ckptmgr.step_store import StepStore
+    from ckptmgr.storage import open_storage
+
+    storage = open_storage(str(tmp_path))
+    storage.makedirs("7")
+    storage.write_bytes("7/data-0123456789ab-r00000-000.bin", b"x")
+    with pytest.raises(LeaseError, match="removes nothing"):
+        StepStore(storage).remove_leftover("7")
+    calls: list[str] = []
+
+    def fence() -> None:
+        calls.append("checked")
+        raise LeaseError("lost")
+
+    with pytest.raises(LeaseError, match="lost"):
+        StepStore(storage, fence=fence).remove_leftover("7")
+    assert calls == ["checked"] and storage.exists("7/data-0123456789ab-r00000-000.bin")
