@@ -15,8 +15,6 @@ import math
 from collections import OrderedDict
 from typing import Any
 
-from ckptmgr.manifest import check_json_depth
-
 __all__ = ["MAX_VALUE_BYTES", "NotRepresentableError", "decode_tagged", "decode_value",
            "encode_tagged", "encode_value", "is_representable"]
 
@@ -76,25 +74,29 @@ def _payload(tag: str, payload: Any, typ: type) -> Any:
     return payload
 
 
-def _pairs_of(tag: str, payload: Any) -> list[tuple[Any, Any]]:
+def _pairs_of(tag: str, payload: Any, depth: int) -> list[tuple[Any, Any]]:
     out = []
     for pair in _payload(tag, payload, list):
         if not isinstance(pair, list) or len(pair) != 2:
             raise ValueError(f"{tag} holds {pair!r:.100}, not a [key, value] pair")
-        out.append((_hashable(_dec(pair[0])), _dec(pair[1])))
+        out.append((_hashable(_dec(pair[0], depth + 1)), _dec(pair[1], depth + 1)))
     return out
 
 
-def _dec(obj: Any) -> Any:
+def _dec(obj: Any, depth: int = 0) -> Any:
     # Every shape a tag's payload may have is checked here, so that a crafted value fails with
     # ValueError (wrapped by the callers), never with whatever a wrong type happens to raise.
+    # Depth counts as _enc counts it (a tag and its payload are one level), so every value that
+    # encodes decodes.
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"value is nested deeper than {_MAX_DEPTH} levels")
     if isinstance(obj, list):
-        return [_dec(v) for v in obj]
+        return [_dec(v, depth + 1) for v in obj]
     if isinstance(obj, dict):
         if len(obj) == 1:
             (tag, payload), = obj.items()
             if tag == "__tuple__":
-                return tuple(_dec(v) for v in _payload(tag, payload, list))
+                return tuple(_dec(v, depth + 1) for v in _payload(tag, payload, list))
             if tag == "__float__":
                 if payload not in ("nan", "inf", "-inf"):
                     raise ValueError(f"bad __float__ payload {payload!r:.100}")
@@ -103,10 +105,10 @@ def _dec(obj: Any) -> Any:
                 return base64.b64decode(_payload(tag, payload, str).encode("ascii"),
                                         validate=True)
             if tag == "__dict__":
-                return dict(_pairs_of(tag, payload))
+                return dict(_pairs_of(tag, payload, depth))
             if tag == "__odict__":
-                return OrderedDict(_pairs_of(tag, payload))
-        return {k: _dec(v) for k, v in obj.items()}
+                return OrderedDict(_pairs_of(tag, payload, depth))
+        return {k: _dec(v, depth + 1) for k, v in obj.items()}
     return obj
 
 
@@ -163,8 +165,10 @@ def decode_value(data: bytes) -> Any:
         ValueError: the bytes are not tagged JSON written by us.
     """
     try:
-        check_json_depth(data, _MAX_DEPTH + 2)
-        # ValueError covers ManifestError, bad UTF-8, bad JSON, and ints of over 4300 digits.
+        # No depth pre-scan: json's C parser counts its nesting against the recursion limit
+        # (RecursionError, never a C stack overflow) and _dec bounds the depth itself, so a
+        # value of MAX_VALUE_BYTES decodes at C speed. ValueError covers bad UTF-8, bad JSON,
+        # and ints of over 4300 digits.
         return _dec(json.loads(data.decode("utf-8")))
     except (TypeError, ValueError, AttributeError, RecursionError) as e:
         raise ValueError(f"not a tagged JSON value: {e}"[:300]) from e

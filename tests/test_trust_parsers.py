@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ckptmgr import CheckpointManager, CorruptCheckpointError
-from ckptmgr._values import decode_value
+from ckptmgr._values import decode_value, encode_value
 from ckptmgr.dcp._bytes import checksum
 from ckptmgr.dcp._metadata_json import MAGIC, decode_metadata, encode_metadata
 from ckptmgr.layout import parse_staging_name, parse_step_name
@@ -294,3 +294,15 @@ def test_step_names_beyond_int64_are_not_steps() -> None:
     assert parse_step_name(str(2**63 - 1)) == 2**63 - 1
     assert parse_step_name("9999999999999999999") is None
     assert parse_staging_name(".tmp-9999999999999999999-0123456789ab") is None
+
+
+def test_every_value_that_saves_restores_and_deeper_ones_are_refused() -> None:
+    # Before: depth was counted in JSON levels on decode (a tuple is two) and in value levels on
+    # encode, so a value of 60 nested tuples saved and then never restored.
+    value: Any = 0
+    for _ in range(99):
+        value = (value,)
+    assert decode_value(encode_value(value)) == value
+    for deep in (b"[" * 150 + b"]" * 150, b"[" * 100_000):
+        with pytest.raises(ValueError, match="not a tagged JSON value"):
+            decode_value(deep)
