@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ckptmgr import CheckpointManager, CorruptCheckpointError
+from ckptmgr import CheckpointManager, CorruptCheckpointError, StateMismatchError
 from ckptmgr._values import decode_value, encode_value
 from ckptmgr.dcp._bytes import checksum
 from ckptmgr.dcp._metadata_json import MAGIC, decode_metadata, encode_metadata
@@ -306,3 +306,15 @@ def test_every_value_that_saves_restores_and_deeper_ones_are_refused() -> None:
     for deep in (b"[" * 150 + b"]" * 150, b"[" * 100_000):
         with pytest.raises(ValueError, match="not a tagged JSON value"):
             decode_value(deep)
+
+
+@pytest.mark.parametrize("mesh", [{"shape": 5}, {"shape": [2], "dim_names": 7}, [1, {"shape": {}}]])
+def test_a_crafted_saved_mesh_is_shown_not_iterated(local_root: str, mesh: Any) -> None:
+    # The manifest's mesh is any JSON; the restore report used to iterate it (TypeError).
+    sdir = _save(local_root, {"x": torch.ones(2)})
+    manifest = json.loads((sdir / "commit.json").read_text())
+    manifest["mesh"] = mesh
+    (sdir / "commit.json").write_text(json.dumps(manifest))
+    with CheckpointManager(local_root, save_interval=1, chkpt_on_preemption=False) as mgr, \
+            pytest.raises(StateMismatchError, match="shape"):
+        mgr.restore(1, {"x": torch.zeros(3)})

@@ -72,11 +72,15 @@ def _mesh_text(mesh: Any) -> str:
     meshes = mesh if isinstance(mesh, list) else [mesh]
     parts = []
     for m in meshes:
-        if not isinstance(m, Mapping):
-            parts.append(repr(m))
+        # The saved mesh comes from the manifest (any JSON): anything but the shape we write is
+        # shown as it is, never iterated.
+        shape: Any = m.get("shape") or [] if isinstance(m, Mapping) else None
+        names: Any = None
+        if isinstance(shape, list):
+            names = m.get("dim_names") or [f"dim{i}" for i in range(len(shape))]
+        if not isinstance(names, list):
+            parts.append(repr(m)[:200])
             continue
-        shape = list(m.get("shape") or [])
-        names = m.get("dim_names") or [f"dim{i}" for i in range(len(shape))]
         dims = " x ".join(f"{n}={s}" for n, s in zip(names, shape, strict=False))
         parts.append(f"{m.get('device_type', '?')} mesh {dims}")
     return "; ".join(parts)
