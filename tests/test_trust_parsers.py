@@ -318,3 +318,16 @@ def test_a_crafted_saved_mesh_is_shown_not_iterated(local_root: str, mesh: Any) 
     with CheckpointManager(local_root, save_interval=1, chkpt_on_preemption=False) as mgr, \
             pytest.raises(StateMismatchError, match="shape"):
         mgr.restore(1, {"x": torch.zeros(3)})
+
+
+def test_grids_of_more_chunks_than_any_job_writes_are_refused() -> None:
+    # A grid states any number of chunks in a few bytes: two of 2**61 made len(storage_data)
+    # raise OverflowError.
+    head = {"format": "ckptmgr-dcp-metadata", "version": 2, "dcp_version": None,
+            "byteorder": sys.byteorder, "files": ["data-0123456789ab-r00000-000.bin"],
+            "checksum_prefix": "xxh3_64:", "values": [], "has_storage": True,
+            "tensors": [{"fqn": fqn, "dtype": "float32", "size": [2**61], "grid": [0, 1, 2**61],
+                         "loc": {"file": {"c": 0}, "pos": {"c": 0}, "sum": {"c": 0}}}
+                        for fqn in ("a", "b")]}
+    with pytest.raises(ManifestError, match="chunks"):
+        decode_metadata(_join(head))

@@ -75,6 +75,10 @@ _INT64 = 1 << 63  # every number in metadata is an int64 (format 2's columns are
 # the file's own bytes bound.
 _MAX_TABLE_VALUES = 1 << 20
 _MAX_EXPANDED_VALUES = 1 << 24
+# Chunks in all per file (a grid states any number in a few bytes): more than the largest job
+# writes (16k ranks x 16k tensors), so that counting them (len of storage_data) never overflows
+# and iterating them costs no more than a genuine checkpoint's.
+_MAX_CHUNKS = 1 << 28
 # Checking an irregular N-d chunk layout costs (chunks x 2**dims split) corner points; beyond
 # this many the layout is refused (no writer makes one: real layouts are grids of tiles).
 _MAX_CORNERS = 1 << 26
@@ -696,6 +700,8 @@ def _table(spec: Any, fqn: str, size: tuple[int, ...], count: int, body: _Body) 
     nd = len(size)
     if nd == 0 and count != 1:
         raise _not_once(fqn, f"a 0-d tensor has one chunk, the metadata lists {count}")
+    if count > _MAX_CHUNKS:
+        raise ManifestError(f"{fqn!r} has {count} chunks, more than this reader accepts")
     n = 2 * nd * count
     col = _column(spec, n, body, f"{fqn} chunks", lo=0)
     if col.kind != "q":
@@ -773,6 +779,7 @@ def _decode_v2(data: bytes) -> Metadata:
             raise UnsafePathError(f"data file {name!r} escapes the step directory: {e}") from e
     sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
     locs: dict[str, TensorLocations] = {}
+    num_chunks = 0
     for t in tensors:
         if not isinstance(t, dict) or not isinstance(t.get("fqn"), str):
             raise ManifestError("bad tensor entry")
@@ -787,6 +794,10 @@ def _decode_v2(data: bytes) -> Metadata:
         else:
             chunks = _table(t.get("table"), fqn, size, _int(t.get("count"), f"{fqn} count"),
                             body)
+        num_chunks += len(chunks)
+        if num_chunks > _MAX_CHUNKS:
+            raise ManifestError(f"the metadata lists over {_MAX_CHUNKS} chunks (at {fqn!r}), "
+                                "more than this reader accepts")
         sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size),
                                          cast(list[ChunkStorageMetadata], chunks))
         loc = t.get("loc")
