@@ -79,6 +79,12 @@ class Manifest:
     mesh: Any = None
     byteorder: str = "little"
     format_version: int = FORMAT_VERSION
+    # path -> entry: a restore looks up every file it reads, and a manifest may list 100k files.
+    _by_path: dict[str, FileEntry] = field(init=False, repr=False, compare=False,
+                                           default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_path", {f.path: f for f in self.files})
 
     @property
     def total_bytes(self) -> int:
@@ -92,10 +98,7 @@ class Manifest:
 
     def file(self, path: str) -> FileEntry:
         """The entry for ``path``; KeyError if the manifest does not list it."""
-        for f in self.files:
-            if f.path == path:
-                return f
-        raise KeyError(path)
+        return self._by_path[path]
 
 
 def check_metrics(metrics: Any) -> dict[str, float]:
