@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,20 @@ def test_local_reads_refuse_non_regular_files(tmp_path: Path) -> None:
 
     os.mkfifo(tmp_path / "f")
     storage = open_storage(str(tmp_path))
-    with pytest.raises(StorageError, match="FIFO"):
-        storage.read_bytes("f")
-    assert isinstance(StorageError("x"), CkptmgrError)
+    got: list[BaseException | bytes] = []
+
+    def read() -> None:
+        try:
+            got.append(storage.read_bytes("f"))
+        except BaseException as e:
+            got.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    if reader.is_alive():  # blocked in open(): a writer end releases it, then fail
+        fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        pytest.fail("reading a FIFO blocked")
+    assert isinstance(got[0], StorageError) and "FIFO" in str(got[0]), got
+    assert isinstance(got[0], CkptmgrError)
