@@ -90,7 +90,7 @@ def test_reader_racing_retention_is_told_the_step_was_deleted(tmp_path: Path) ->
     text = str(errors[0])
     assert "step 1 was deleted" in text and "while it was being read" in text, text
     assert "available steps: [2]" in text, text
-    assert errors[0].available == [2]  # type: ignore[attr-defined]
+    assert errors[0].available == [2]
 
 
 def test_cli_verify_racing_retention_says_deleted_not_corrupt(
@@ -195,7 +195,7 @@ def test_empty_dict_inside_a_list_value_round_trips(tmp_path: Path) -> None:
 
 _KEYS = st.text(alphabet="abcxyz_", min_size=1, max_size=4)
 # Empty containers are leaves as likely as scalars: they are what DCP's flattening dropped.
-_SCALARS = (st.none() | st.booleans() | st.integers(-2**70, 2**70)
+_SCALARS: Any = (st.none() | st.booleans() | st.integers(-2**70, 2**70)
             | st.floats(allow_nan=False) | st.text(max_size=5)
             | st.builds(dict) | st.builds(list) | st.builds(tuple))
 
@@ -347,8 +347,10 @@ def s3_proxy(moto_s3: MotoS3) -> Iterator[FaultProxy]:
 BUDGET_S = 4.0
 
 
+@pytest.mark.parametrize("how", ["503", "reset"])
 def test_a_store_gone_mid_save_fails_it_within_the_budget(
-        moto_s3: MotoS3, s3_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+        moto_s3: MotoS3, s3_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
+        how: str) -> None:
     import s3fs
 
     # The budget is the knob (DEFAULT_POLICY.total_timeout_s); many attempts allowed per call,
@@ -374,7 +376,9 @@ def test_a_store_gone_mid_save_fails_it_within_the_budget(
     with CheckpointManager(url, save_interval=1, storage_options=opts,
                            async_mode="thread") as mgr:
         mgr.save(1, state)
-        fault = s3_proxy.add(Fault(store_gone, times=10**9, status=503,
+        # Every request answered with 503, or its connection reset (a server going down).
+        fault = s3_proxy.add(Fault(store_gone, times=10**9, reset=how == "reset",
+                                   status=503 if how == "503" else None,
                                    body=S3_ERROR_BODIES[503]))
         mgr.save_async(2, state)
         with pytest.raises(AsyncSaveError) as ei:
@@ -389,3 +393,45 @@ def test_a_store_gone_mid_save_fails_it_within_the_budget(
         assert failed_at - gone[0] <= BUDGET_S + 1.5, (failed_at - gone[0], clock.sleeps)
         assert mgr.all_steps() == [1]
     assert time.monotonic() - t0 < 3 * 60  # a hang guard only
+
+
+def test_the_budget_is_a_deadline_started_by_the_first_failure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = _VirtualTime()
+    monkeypatch.setattr(_retry, "time", clock)
+    policy = _retry.RetryPolicy(max_attempts=10**6, initial_backoff_s=0.5, max_backoff_s=1.0,
+                                total_timeout_s=10**6)
+    calls: list[str] = []
+
+    def ok() -> str:
+        calls.append("ok")
+        return "ok"
+
+    def down() -> None:
+        calls.append("down")
+        raise ConnectionResetError("reset")
+
+    with _retry.retry_budget(5.0) as budget:
+        clock.sleep(100.0)  # a long healthy save spends nothing of its budget
+        assert _retry.call_with_retries(ok, what="put a", policy=policy) == "ok"
+        assert budget.deadline is None
+        start = clock.monotonic()
+        with pytest.raises(ConnectionResetError):
+            _retry.call_with_retries(down, what="put b", policy=policy)
+        assert budget.deadline is not None and budget.deadline <= start + 5.0 + 0.5
+        assert clock.monotonic() - start <= 5.0 + 0.5  # stopped by the deadline, not the count
+        tries = calls.count("down")
+        assert tries > 3
+        # Past the deadline, while the store still fails: no new request at all.
+        clock.sleep(max(0.0, budget.deadline - clock.monotonic()))
+        with pytest.raises(_retry.RetryBudgetSpent) as ei:
+            _retry.call_with_retries(down, what="delete c", policy=policy)
+        assert calls.count("down") == tries and isinstance(ei.value.__cause__,
+                                                          ConnectionResetError)
+    with _retry.retry_budget(5.0) as budget:
+        with pytest.raises(ConnectionResetError):
+            _retry.call_with_retries(down, what="put d", policy=_retry.RetryPolicy(
+                max_attempts=2, initial_backoff_s=0.5, max_backoff_s=1.0, total_timeout_s=60))
+        assert budget.deadline is not None
+        assert _retry.call_with_retries(ok, what="put e", policy=policy) == "ok"
+        assert budget.deadline is None  # the outage is over: the next one gets a new deadline
