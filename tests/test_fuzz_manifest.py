@@ -1,0 +1,73 @@
+"""Fuzzing the manifest (``<step>/commit.json``), read by every restore, step_info and listing.
+
+Cases start from manifests that real saves wrote and are put back into a copy of the real step,
+which a read-only manager then lists, describes (``step_info``) and restores. The property
+(tests/_fuzz.py): the restore gives back exactly what was saved (the data files are untouched,
+whatever the manifest now claims) or a CkptmgrError is raised, within the memory and time bounds.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from _fuzz import (  # noqa: F401 - sandbox_fixture and templates_fixture are fixtures
+    EXTREME_INTS,
+    Sandbox,
+    check,
+    dump_json,
+    fuzz_settings,
+    json_file_mutations,
+    sandbox_fixture,
+    templates_fixture,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+
+@fuzz_settings(50)
+@given(data=st.data())
+def test_mutated_manifest(fuzz_sandbox: Sandbox, fuzz_templates: dict[str, Any],
+                          data: st.DataObject) -> None:
+    t = fuzz_templates
+    m = data.draw(json_file_mutations([t["manifest"], t["manifest_other"]]), label="mutation")
+    out = fuzz_sandbox.run("restore", root=t["root_v2"], step=1, edits={"commit.json": m.data})
+    check(out, "manifest", data=m.data, ops=m.ops)
+
+
+# Fields of a manifest and the values an attacker would put there.
+_FIELDS = ("step", "format_version", "world_size", "time", "attempt", "metadata_file", "files",
+           "bytes_per_rank", "total_bytes", "metrics", "metadata", "versions", "mesh",
+           "byteorder", "format")
+_VALUES = st.one_of(
+    st.sampled_from(EXTREME_INTS), st.sampled_from((float("nan"), 1e308, -0.0, True, None)),
+    st.sampled_from(("", "..", "commit.json", "../1/commit.json", "/etc/passwd", "big",
+                     "9999-99-99T99:99:99Z", "2026-01-01T00:00:00Z")),
+    st.lists(st.sampled_from(EXTREME_INTS), max_size=3),
+    st.dictionaries(st.sampled_from(("0", "-1", "x", "99999999999999999999")),
+                    st.sampled_from(EXTREME_INTS), max_size=3))
+_FILE_ENTRY = st.fixed_dictionaries({
+    "path": st.sampled_from(("data.bin", "..", ".", "a/b", "commit.json", "\u202e", "x" * 300)),
+    "size": st.sampled_from(EXTREME_INTS),
+    "checksum": st.sampled_from(("xxh3_64:0000000000000000", "xxh3_64:", "md5:0", "")),
+})
+
+
+@fuzz_settings(30)
+@given(data=st.data())
+def test_generated_manifest_fields(fuzz_sandbox: Sandbox, fuzz_templates: dict[str, Any],
+                                   data: st.DataObject) -> None:
+    """Structured generation: the real manifest with chosen fields set to extreme values, and
+    file lists of extreme entries (huge sizes, paths out of the step, repeated entries)."""
+    t = fuzz_templates
+    doc = json.loads(t["manifest"])
+    changes = data.draw(st.dictionaries(st.sampled_from(_FIELDS), _VALUES, min_size=1,
+                                        max_size=3), label="fields")
+    doc.update(changes)
+    if data.draw(st.booleans(), label="extra file entries"):
+        entries = data.draw(st.lists(_FILE_ENTRY, min_size=1, max_size=3), label="entries")
+        times = data.draw(st.sampled_from((1, 2, 100_000)), label="repeated")
+        doc["files"] = list(doc["files"]) + entries * times
+    raw = dump_json(doc)
+    out = fuzz_sandbox.run("restore", root=t["root_v2"], step=1, edits={"commit.json": raw})
+    check(out, "manifest", data=raw, ops=[f"set {k} = {v!r}"[:200] for k, v in changes.items()])
