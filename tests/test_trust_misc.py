@@ -100,11 +100,11 @@ def test_cli_verify_racing_retention_says_deleted_not_corrupt(
     with CheckpointManager(root, save_interval=1, max_to_keep=1) as writer:
         writer.save(1, {"w": torch.ones(1000)})
         gate = Gate()
-        # Only the CLI reads data files here (the writer writes and deletes them).
+        # The CLI's reads of data files wait here (the writer's thread passes).
         read_into = LocalStorage.read_into
 
         def held(self: LocalStorage, path: str, *args: Any) -> None:
-            if "/data-" in path:
+            if "/data-" in path and threading.current_thread().name == "reader":
                 gate.pass_()
             read_into(self, path, *args)
 
@@ -119,6 +119,34 @@ def test_cli_verify_racing_retention_says_deleted_not_corrupt(
     assert not errors and code == [cli.EXIT_ERROR], (errors, code)  # not 3: nothing is damaged
     out, err = capsys.readouterr()
     assert "CORRUPT" not in out and "step 1 was deleted" in err, (out, err)
+
+
+def test_cli_inspect_racing_retention_says_deleted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    root = str(tmp_path / "run")
+    with CheckpointManager(root, save_interval=1, max_to_keep=1) as writer:
+        writer.save(1, {"w": torch.ones(10)})
+        gate = Gate()
+        read_bytes = LocalStorage.read_bytes
+
+        def held(self: LocalStorage, path: str, *args: Any) -> bytes:
+            # inspect has read the manifest; its read of the metadata file waits here
+            if "/metadata-" in path and threading.current_thread().name == "reader":
+                gate.pass_()
+            return read_bytes(self, path, *args)
+
+        monkeypatch.setattr(LocalStorage, "read_bytes", held)
+        code: list[int] = []
+        t, errors = _in_thread(lambda: code.append(cli.main(["inspect", root, "1"])))
+        gate.wait_arrived()
+        writer.save(2, {"w": torch.full((10,), 2.0)})  # retention deletes step 1
+        gate.open()
+        t.join(60)
+    monkeypatch.undo()
+    _, err = capsys.readouterr()
+    assert not errors and code == [cli.EXIT_ERROR], (errors, code, err)
+    assert "step 1 was deleted" in err and "available steps: [2]" in err, err
 
 
 # ---------------------------------------------------------------- 9: a state that is no dict
