@@ -135,16 +135,27 @@ class Tap:
 
 
 class Clock:
-    """The commit time written into manifests: whole seconds the model advances."""
+    """The commit time written into manifests, chosen by the model per saved version.
+
+    A save passes ``metadata={"model_seed": seed}``; the manifest of that save gets the time
+    registered for the seed in :attr:`times` (a wall clock would race with the model: an async
+    save commits after the model has moved on to the next one).
+    """
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.now = 1_700_000_000
+        self.times: dict[int, int] = {}
         import ckptmgr.dcp.writer
 
-        monkeypatch.setattr(ckptmgr.dcp.writer, "utc_now_iso", self.iso)
+        real = ckptmgr.dcp.writer.Manifest
 
-    def iso(self) -> str:
-        return datetime.fromtimestamp(self.now, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        def manifest(**kwargs: Any) -> Any:
+            seed = (kwargs.get("metadata") or {}).get("model_seed")
+            if seed in self.times:
+                kwargs["time"] = datetime.fromtimestamp(self.times[seed], timezone.utc).strftime(
+                    "%Y-%m-%dT%H:%M:%S.%fZ")
+            return real(**kwargs)
+
+        monkeypatch.setattr(ckptmgr.dcp.writer, "Manifest", manifest)
 
 
 # ------------------------------------------------------------------------------ saved states
