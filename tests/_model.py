@@ -145,8 +145,7 @@ class Clock:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.times: dict[int, int] = {}
         import ckptmgr.dcp.writer
-
-        real = ckptmgr.dcp.writer.Manifest
+        from ckptmgr.manifest import Manifest as real
 
         def manifest(**kwargs: Any) -> Any:
             seed = (kwargs.get("metadata") or {}).get("model_seed")
