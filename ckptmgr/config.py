@@ -80,6 +80,7 @@ _RULES: dict[str, str] = {
     "planner": "'auto', 'dcp' or 'xla_spmd'",
     "read_only": "a bool",
     "take_over": "a bool",
+    "save_on_close": "a bool",
     "collective_timeout_s": "None or a finite number of seconds > 0",
     "storage": "a mapping",
     "storage.options": "None or a dict with str keys",
@@ -136,6 +137,7 @@ _FLAT: dict[str, tuple[str, ...]] = {
     "local_interval": ("local", "interval"),
     "local_max_to_keep": ("local", "max_to_keep"),
     "async_mode": ("async", "mode"),
+    "save_on_close": ("save_on_close",),
 }
 _DOTTED_TO_FLAT = {".".join(where): name for name, where in _FLAT.items()}
 
@@ -382,6 +384,10 @@ class ManagerConfig(_Section):
         default=False, description="open the root as a reader: no writer lease, saves refused")
     take_over: Annotated[bool, Strict()] = Field(
         default=False, description="take the root's writer lease even from a live holder")
+    save_on_close: Annotated[bool, Strict()] = Field(
+        default=True, description="a normal close() saves the newest step given to save or "
+        "save_async when it is newer than the newest committed step (never after an exception, "
+        "never a state changed since that call)")
     collective_timeout_s: _Seconds | None = Field(
         default=None, description="no collective of ckptmgr waits longer; None: the "
         "CKPTMGR_COLLECTIVE_TIMEOUT_S environment variable if set, else 600 s")

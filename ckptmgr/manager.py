@@ -15,11 +15,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ckptmgr._async import SaveQueue, Stager
@@ -27,7 +30,7 @@ from ckptmgr._dist import Comm, collective_timeout, make_group
 from ckptmgr._shm import ArenaSet
 from ckptmgr.config import ManagerConfig, check_flag, load_config
 from ckptmgr.dcp.checkpoint import PreparedSave, SavePlanners, prepare_save
-from ckptmgr.dcp.state import check_state_dict
+from ckptmgr.dcp.state import check_state_dict, flatten_state
 from ckptmgr.errors import (
     AsyncSaveError,
     CkptmgrError,
@@ -72,6 +75,35 @@ class _Request:
     metadata: dict[str, Any]
     trusted: bool
     t_call: float
+
+
+@dataclass(frozen=True)
+class _Given:
+    """The newest step given to save/save_async and not saved (``save_on_close``): the call, and
+    the tensors' versions then, to tell whether the state changed since."""
+
+    step: int
+    first: int  # the oldest step given since the last one saved
+    state_dict: Mapping[str, Any]
+    request: _Request
+    versions: tuple[Any, ...]
+
+
+def _versions(state_dict: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Where each tensor of the state lives and how often it was modified in place: equal
+    before and after only if no tensor was replaced or changed in place in between."""
+    from torch.distributed.tensor import DTensor
+
+    out: list[Any] = []
+    for key, value in sorted(flatten_state(state_dict).flat.items()):
+        if isinstance(value, torch.Tensor):
+            t = value.to_local() if isinstance(value, DTensor) else value
+            try:
+                where: Any = (t.data_ptr(), t.device)
+            except (RuntimeError, NotImplementedError):  # tensors without storage (XLA)
+                where = id(value)
+            out.append((key, where, t._version, tuple(t.shape), t.dtype))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -142,6 +174,7 @@ class CheckpointManager:
         local_interval: int | None = None,
         local_max_to_keep: int = 2,
         async_mode: str = "thread",
+        save_on_close: bool = True,
     ) -> None:
         self._closed = True  # until fully constructed, close() has nothing to release
         cfg = ManagerConfig.from_kwargs(
@@ -156,7 +189,7 @@ class CheckpointManager:
             planner=planner, read_only=read_only, take_over=take_over,
             collective_timeout_s=collective_timeout_s, local_path=local_path,
             local_interval=local_interval, local_max_to_keep=local_max_to_keep,
-            async_mode=async_mode)
+            async_mode=async_mode, save_on_close=save_on_close)
         self.config = cfg
         self._store = StepStore(open_storage(cfg.path, cfg.storage.options,
                                              writable=not cfg.read_only))
@@ -177,6 +210,7 @@ class CheckpointManager:
         self._last_stats: SaveStats | None = None
         self._events = Listeners()
         self._local: LocalTier | None = None  # the node-local tier (ckptmgr.tiers)
+        self._given: _Given | None = None  # the newest step given and not saved (close())
         # Two gloo groups of our own, each used by one thread only (two threads issuing
         # collectives on one group deadlock): the caller's thread, and the background writer.
         self._caller = self._worker = Comm(None)
@@ -339,21 +373,85 @@ class CheckpointManager:
         self.join()
 
     def close(self) -> None:
-        """Wait for the save in flight (re-raising its failure), then release ckptmgr's process
-        groups, staging memory, signal handlers and writer lease. Idempotent. Collective."""
+        """Wait for the save in flight (re-raising its failure), save the newest step given to
+        save/save_async if it is newer than the newest committed one (``save_on_close``; not
+        while an exception propagates), then release ckptmgr's process groups, staging memory,
+        signal handlers and writer lease. Idempotent. Collective.
+
+        Raises:
+            AsyncSaveError: the save in flight failed.
+            The errors of :meth:`save`, for the save on close.
+        """
+        self._close(failing=sys.exc_info()[0] is not None)
+
+    def _close(self, *, failing: bool) -> None:
         if self._closed:
             return
         try:
             self.join()
+            if not failing:
+                self._save_on_close()
         finally:
             self._closed = True
+            self._given = None
             self._release()
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self._close(failing=exc_type is not None or sys.exc_info()[0] is not None)
+
+    def _remember(self, req: _Request, state_dict: Mapping[str, Any]) -> None:
+        """(caller thread) Note a step given but not saved, for close()."""
+        if self.config.read_only or (self._given is not None and req.step < self._given.step):
+            return
+        first = self._given.first if self._given is not None else req.step
+        self._given = _Given(req.step, first, state_dict, req, _versions(state_dict))
+
+    def _save_on_close(self) -> None:
+        """(collective) The final save of a normal close(), or the warning that it was not
+        made: the newest given step, if newer than the newest committed one, unchanged since."""
+        given, newest = self._given, self.latest_step()
+        if given is None or (newest is not None and given.step <= newest):
+            return
+        steps = (f"step {given.step}" if given.first == given.step
+                 else f"steps {given.first}-{given.step}")
+        after = f"the newest committed step {newest}" if newest is not None else "no step"
+        if not self.config.save_on_close:
+            warnings.warn(
+                f"close(): {steps} were given to save/save_async but not saved ({after} is "
+                "committed) and save_on_close=False; pass force=True on the last step to save "
+                "it", RuntimeWarning, stacklevel=3)
+            return
+        if self._caller.any(_versions(given.state_dict) != given.versions):
+            warnings.warn(
+                f"close(): {steps} not saved: the state changed after save/save_async was "
+                f"called with step {given.step} ({after} is committed), so it no longer is "
+                "that step's state; pass force=True on the last step to save it",
+                RuntimeWarning, stacklevel=3)
+            return
+        log.info("close(): saving step %d, newer than %s (save_on_close=True)", given.step,
+                 after)
+        r = given.request
+        self.save(given.step, given.state_dict, force=True, metrics=r.metrics,
+                  metadata=r.metadata, trusted=r.trusted)
+
+    def restore_latest(self, state_dict: Mapping[str, Any], **restore_kwargs: Any) -> int | None:
+        """Restore the newest committed step (any tier) into ``state_dict`` in place and return
+        it; None when the root holds no step (``state_dict`` untouched). Collective.
+
+        ``restore_kwargs`` are :meth:`restore`'s (``allow_partial``, ``trusted``).
+
+        Raises:
+            The errors of :meth:`restore`.
+        """
+        self._check_open()
+        step = self.latest_step()
+        if step is None:
+            return None
+        self.restore(step, state_dict, **restore_kwargs)
+        return step
 
     def restore(self, step: int, state_dict: Mapping[str, Any], *, allow_partial: bool = False,
                 trusted: bool = False) -> None:
@@ -459,6 +557,7 @@ class CheckpointManager:
         if not (req.forced or self.should_save(req.step)):
             # A step that is not due never blocks. A failure already known is raised now when
             # this process is alone; with several ranks only at due steps, where all ranks meet.
+            self._remember(req, state_dict)
             if self._caller.world_size == 1 and self._queue.has_failed():
                 self.join()
             return False
@@ -467,6 +566,7 @@ class CheckpointManager:
                 and self._caller.any(self._queue.in_flight)):
             log.info("skipping step %d: the save of step %s is still in flight", req.step,
                      self._inflight_step)
+            self._remember(req, state_dict)
             return False
         restarted = self._writer is not None and self._writer.ensure(self._caller, self._lease)
         try:
@@ -474,6 +574,8 @@ class CheckpointManager:
         finally:  # a writer process that died may have committed before it could say so
             if restarted:
                 self._view = self._caller.on_coordinator(self._scan)
+        if self._given is not None and self._given.step <= req.step:
+            self._given = None  # this save covers it
         return self._prepare(req, state_dict, on_exists="raise",
                              durable=req.forced or req.step % self.config.save_interval == 0,
                              local=self._local is not None and (req.forced or self._local.due(
