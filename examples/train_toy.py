@@ -48,12 +48,9 @@ def main(argv: list[str] | None = None) -> None:
 
     mgr = ckptmgr.CheckpointManager(args.ckpt, save_interval=args.save_interval,
                                     max_to_keep=args.max_to_keep)
-    start = 0
-    if mgr.all_steps():
-        ckptmgr.prime_optimizer(optim)  # optimizer state must exist for an in-place load
-        last = max(mgr.all_steps())
-        mgr.restore(last, state)
-        start = last + 1
+    last = mgr.restore_latest(state)  # in place; None on a new run
+    start = 0 if last is None else last + 1
+    if last is not None:
         print(f"resumed from step {last}")
     loss_fn = torch.nn.BCEWithLogitsLoss()
     for step in range(start, args.steps):
@@ -67,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         progress["tokens_seen"] += x.shape[0]
         print(f"step {step} loss {loss.item():.8f}", flush=True)
         mgr.save_async(step, state, metrics={"loss": loss.item()})
-    mgr.close()
+    mgr.close()  # also saves the last step (save_on_close), if the interval did not
     print(f"done: committed steps {mgr.all_steps()} in {mgr.path}")
 
 

@@ -1,4 +1,5 @@
-"""Every ```python block in docs/ runs, so the docs cannot rot (use ```py for fragments)."""
+"""Every ```python block in README.md and docs/ runs, so the docs cannot rot (use ```py for
+fragments)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from pathlib import Path
 import pytest
 from _zygote import Zygote
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
-BLOCKS = [(p.name, i, m.group(1)) for p in sorted(DOCS.glob("*.md"))
+BLOCKS = [(p.name, i, m.group(1)) for p in [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
           for i, m in enumerate(BLOCK.finditer(p.read_text()))]
 
 
