@@ -31,8 +31,11 @@ import itertools
 import json
 import logging
 import os
+import pickle
+import pickletools
 import stat
 import struct
+import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -75,14 +78,27 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2": torch.float8_e5m2,
     "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
 }
-_ITEMSIZE = {code: torch.empty((), dtype=dt).element_size()
-             for code, dt in SAFETENSORS_DTYPES.items()}
+# torch.save's legacy storage classes, by the name its pickles give them (data.pkl names a
+# dtype without one as an UntypedStorage of bytes): this reader and the exporter's .pt writer
+# (tools/_formats.py) both use this table.
+PT_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16, "LongStorage": torch.int64, "IntStorage": torch.int32,
+    "ShortStorage": torch.int16, "CharStorage": torch.int8, "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool, "ComplexFloatStorage": torch.complex64,
+    "ComplexDoubleStorage": torch.complex128,
+}
+_ITEMSIZE_OF = {dt: torch.empty((), dtype=dt).element_size()
+                for dt in [*SAFETENSORS_DTYPES.values(), *PT_STORAGE_DTYPES.values()]}
+_ITEMSIZE = {code: _ITEMSIZE_OF[dt] for code, dt in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
 _MAX_INDEX = 100 * 1024 * 1024  # an index file (a few MB for the largest models)
 _INT64_MAX = 2**63 - 1
 _MAX_NDIM = 64  # far above any model; bounds the work per shape before its product is formed
 _PT_SUFFIXES = (".pt", ".pth", ".bin")
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format; anything else is legacy
+_MAX_PICKLE = 256 * 1024 * 1024  # a data.pkl (a few MB for the largest models)
+_MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
 
 
 @dataclass
@@ -280,6 +296,132 @@ def _flatten_loaded(value: Any, out: dict[str, torch.Tensor]) -> None:
                          for k, x in reversed(list(v.items())))
 
 
+class _Opaque:
+    """Whatever a weights pickle builds, in the structural pass of :func:`_check_zip_records`:
+    accepts every call and update and does nothing (no global is ever imported or run)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Opaque:
+        return _Opaque()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _StorageKind:
+    itemsize: int
+
+
+class _StorageScan(pickle.Unpickler):
+    """Collects the persistent ids (storages) of a ``data.pkl`` without building anything."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.pids: list[Any] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in ("torch", "torch.storage") and name == "UntypedStorage":
+            return _StorageKind(1)
+        if module == "torch" and name in PT_STORAGE_DTYPES:
+            return _StorageKind(_ITEMSIZE_OF[PT_STORAGE_DTYPES[name]])
+        return _Opaque
+
+    def persistent_load(self, pid: Any) -> Any:
+        self.pids.append(pid)
+        return _Opaque()
+
+
+def _check_pickle_bounds(data: bytes) -> None:
+    """Walk ``data``'s opcodes without running them: every counted length must fit in ``data``
+    (pickletools checks) and every memo index must be one the pickle could have made so far.
+
+    The C unpickler sizes its memo table by the largest index it is given and zeroes it, so a
+    16-byte pickle asking for index 2**31 costs tens of GB; and it allocates a counted string's
+    claimed length before reading it.
+
+    Raises:
+        ValueError: the pickle is malformed or claims more than it holds.
+    """
+    for n, (op, arg, pos) in enumerate(pickletools.genops(data), start=1):
+        if op.name in _MEMO_PUTS and not (isinstance(arg, int) and 0 <= arg < n):
+            raise ValueError(f"memo index {arg!r} at byte {pos} after {n} opcodes")
+
+
+def _check_zip_records(path: str, f: io.BufferedReader) -> None:
+    """Check that every storage a zip-format ``torch.save`` file's ``data.pkl`` names is a stored
+    record of exactly its bytes.
+
+    ``torch.load(mmap=True)`` slices each storage from the mapped file at its record's start with
+    the length the pickle claims, unchecked (without mmap it checks): a claim longer than the
+    record would read the next records' zip headers as weights.
+
+    Raises:
+        ConfigError: the archive is malformed, or a storage's bytes are not its record's.
+    """
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{path} is not a torch.save file of weights: {why}")
+
+    try:
+        with zipfile.ZipFile(f) as z:
+            infos = z.infolist()
+            records = {i.filename: i for i in infos}
+            if len(records) != len(infos):
+                raise bad("the archive names a record twice")
+            pkls = [i for i in infos if i.filename.endswith("/data.pkl")]
+            if len(pkls) != 1:
+                raise bad(f"expected one data.pkl record, found {len(pkls)}")
+            prefix = pkls[0].filename[: -len("data.pkl")]
+            if not all(i.filename.startswith(prefix) for i in infos):
+                raise bad("its records are not all in one archive directory")
+            if pkls[0].file_size > _MAX_PICKLE:
+                raise bad(f"its data.pkl has {pkls[0].file_size} bytes")
+            data = z.read(pkls[0])
+    except ConfigError:
+        raise
+    except Exception as e:  # zipfile raises BadZipFile, ValueError, OSError, ... on bad bytes
+        raise bad(f"{type(e).__name__}: {_short(str(e))}") from e
+    scan = _StorageScan(data)
+    try:
+        _check_pickle_bounds(data)
+        scan.load()
+    except Exception as e:  # any malformed pickle; torch.load would refuse it too
+        raise bad(f"its data.pkl does not parse ({type(e).__name__}: {_short(str(e))})") from e
+    for pid in scan.pids:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")
+                and isinstance(pid[1], _StorageKind) and isinstance(pid[2], str)
+                and _count(pid[4]) is not None):
+            raise bad(f"a storage is described as {_short(pid)}")
+        info = records.get(f"{prefix}data/{pid[2]}")
+        need = pid[4] * pid[1].itemsize
+        if info is None:
+            raise bad(f"storage {pid[2]!r} has no record")
+        if (info.compress_type != zipfile.ZIP_STORED or info.file_size != need
+                or info.compress_size != need):
+            raise bad(f"storage {pid[2]!r} needs {need} bytes, its record holds "
+                      f"{info.compress_size} (stored: {info.compress_type == zipfile.ZIP_STORED})")
+
+
+def _reason(e: Exception) -> str:
+    """The informative line of a torch.load error (weights-only errors start with advice)."""
+    lines = [s.strip() for s in str(e).splitlines() if s.strip()]
+    for s in lines:
+        if "WeightsUnpickler error" in s:
+            return s[:200]
+    return lines[0][:200] if lines else ""
+
+
 def _torch_file(path: str) -> list[_SourceTensor]:
     """The tensors of a ``torch.save`` file (weights only; the zip format memory-mapped).
 
@@ -290,6 +432,9 @@ def _torch_file(path: str) -> list[_SourceTensor]:
     with _open_regular(path, "torch.save file") as f:
         is_zip = f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
         f.seek(0)
+        if is_zip:
+            _check_zip_records(path, f)
+            f.seek(0)
         try:
             if is_zip:
                 # mmap needs a path; the file was just checked to be a regular one.
@@ -297,9 +442,8 @@ def _torch_file(path: str) -> list[_SourceTensor]:
             else:  # the legacy format cannot be memory-mapped: read from the checked file
                 loaded = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as e:  # torch.load raises whatever its parsers meet on bad bytes
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ConfigError(f"{path} is not a torch.save file of weights: "
-                              f"{type(e).__name__}: {_short(reason)[:300]}") from e
+                              f"{type(e).__name__}: {_reason(e)}") from e
     flat: dict[str, torch.Tensor] = {}
     _flatten_loaded(loaded, flat)
     for k, v in flat.items():

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import struct
 import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -34,6 +36,7 @@ from ckptmgr.errors import (
     UnsafeCheckpointError,
 )
 from ckptmgr.tools import export as export_mod
+from ckptmgr.tools._formats import PtWriter, pt_data_pkl
 
 # ------------------------------------------------------------------ defect 4: export --format hf
 
@@ -320,7 +323,11 @@ def _pt_files(d: Path) -> dict[str, bytes]:
     with zipfile.ZipFile(d / "z.pt", "w") as z:  # a zip whose data.pkl is not a pickle
         z.writestr("archive/data.pkl", b"\x80\x02garbage")
         z.writestr("archive/version", b"3\n")
+    with zipfile.ZipFile(d / "bomb.pt", "w") as z:  # asks the C unpickler for a 2**31 memo
+        z.writestr("archive/data.pkl", b"\x80\x02}r\xff\xff\xff\x7f.")
+        z.writestr("archive/version", b"3\n")
     return {
+        "memo-index-2**31": (d / "bomb.pt").read_bytes(),
         "truncated-zip": good[: len(good) // 2],
         "zip-cut-to-header": good[:64],
         "garbage": b"\x00" * 100,
@@ -336,9 +343,58 @@ def test_malformed_torch_save_files_raise_config_error(mgr: ckptmgr.CheckpointMa
     for case, data in _pt_files(tmp_path).items():
         path = tmp_path / f"{case}.pt"
         path.write_bytes(data)
-        with pytest.raises(ConfigError, match=f"{case}.pt") as info:
+        with pytest.raises(ConfigError, match=re.escape(f"{case}.pt")) as info:
             mgr.load_initial(path, _state())
         assert isinstance(info.value, CkptmgrError), case
+
+
+def _pt_claiming(path: Path, numel: int, record_bytes: int) -> None:
+    """A zip-format torch.save file whose data.pkl claims ``numel`` float32 elements for a
+    storage whose record holds ``record_bytes`` bytes."""
+    planned = [SimpleNamespace(name="w", shape=(numel,), out_dtype=torch.float32)]
+    with open(path, "wb") as f:
+        w = PtWriter(f, "archive")
+        w.record("data.pkl", pt_data_pkl(planned))  # type: ignore[arg-type]
+        w.record("byteorder", b"little")
+        with w.tensor_record("data/0", record_bytes) as rec:
+            rec.write(bytes(range(record_bytes)))
+        w.record("version", b"3\n")
+        w.close()
+
+
+def test_torch_save_storage_longer_than_its_record_is_refused(mgr: ckptmgr.CheckpointManager,
+                                                              tmp_path: Path) -> None:
+    # torch.load(mmap=True) slices a storage by the pickle's claim, unchecked: 6 floats from a
+    # 16-byte record read the next zip header ("PK\x03\x04...") as weights.
+    _pt_claiming(tmp_path / "long.pt", 6, 16)
+    state = {"model": {"w": torch.zeros(6)}}
+    with pytest.raises(ConfigError, match="needs 24 bytes, its record holds 16"):
+        mgr.load_initial(tmp_path / "long.pt", state)
+    assert torch.equal(state["model"]["w"], torch.zeros(6))
+    _pt_claiming(tmp_path / "ok.pt", 4, 16)  # the same file with a true claim loads
+    state = {"model": {"w": torch.zeros(4)}}
+    assert mgr.load_initial(tmp_path / "ok.pt", state)
+    assert torch.equal(state["model"]["w"].view(torch.uint8), torch.arange(16, dtype=torch.uint8))
+
+
+def test_pt_export_of_dtypes_without_a_legacy_storage_loads(mgr: ckptmgr.CheckpointManager,
+                                                            tmp_path: Path) -> None:
+    # torch.save names float8/uint16 storages as bytes (UntypedStorage); export named the dtype
+    # as a storage class, which torch.load cannot read.
+    src = {"f8": torch.arange(4.0).to(torch.float8_e4m3fn), "u16": torch.arange(3).to(torch.uint16),
+           "c128": torch.ones(2, dtype=torch.complex128), "f": torch.ones(2)}
+    with ckptmgr.CheckpointManager(str(tmp_path / "root"), 1) as m:
+        m.save(1, {"model": src})
+    tools.export_step(str(tmp_path / "root"), 1, tmp_path / "m.pt", only="model")
+    for mmap in (False, True):
+        got = torch.load(tmp_path / "m.pt", weights_only=True, mmap=mmap)
+        assert sorted(got) == sorted(src)
+        for k, v in src.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8),
+                                                           v.view(torch.uint8)), k
+    state = {"model": {k: torch.zeros_like(v) for k, v in src.items()}}
+    assert mgr.load_initial(tmp_path / "m.pt", state)
+    assert torch.equal(state["model"]["u16"], src["u16"])
 
 
 # ---------------------------------------------------------- defect 13: FIFOs and directories

@@ -20,21 +20,16 @@ import torch
 
 from ckptmgr.dcp import dtype_name
 from ckptmgr.errors import ConfigError
-from ckptmgr.initial import SAFETENSORS_DTYPES
+from ckptmgr.initial import PT_STORAGE_DTYPES, SAFETENSORS_DTYPES
 
 __all__ = ["OutTensor", "PtWriter", "pt_data_pkl", "safetensors_header"]
 
 # safetensors codes by torch dtype name, from the one table the reader uses (initial.py), so
 # that whatever export writes, load_initial reads.
 _SAFETENSORS_DTYPES = {dtype_name(dt): code for code, dt in SAFETENSORS_DTYPES.items()}
-# torch.save names a storage by its legacy class where one exists, else by the dtype itself.
-_PT_STORAGE_TYPES = {
-    "float32": "FloatStorage", "float64": "DoubleStorage", "float16": "HalfStorage",
-    "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
-    "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage",
-    "complex64": "ComplexFloatStorage", "complex128": "ComplexDoubleStorage",
-}
-
+# torch.save names a storage by its legacy class where one exists (the reader's table, so the
+# two agree); a dtype without one is stored as bytes (UntypedStorage) and named in the record.
+_PT_STORAGE_TYPES = {dtype_name(dt): name for name, dt in PT_STORAGE_DTYPES.items()}
 
 class OutTensor(Protocol):
     """One tensor as it goes into the output file."""
@@ -100,7 +95,10 @@ def pt_data_pkl(planned: Sequence[OutTensor]) -> bytes:
 
     Written opcode by opcode (protocol 2, as torch.save) so that no tensor has to exist in memory:
     ``{name: _rebuild_tensor_v2(<storage key i>, 0, shape, stride, False, OrderedDict())}`` with
-    persistent ids ``("storage", torch.<Type>Storage, "<i>", "cpu", numel)``.
+    persistent ids ``("storage", torch.<Type>Storage, "<i>", "cpu", numel)``; for a dtype
+    without a legacy storage class (float8, uint16, ...), as torch.save does:
+    ``_rebuild_tensor_v3(<storage>, 0, shape, stride, False, OrderedDict(), torch.<dtype>)``
+    with ``("storage", torch.storage.UntypedStorage, "<i>", "cpu", nbytes)``.
     """
     out = [pickle.PROTO + b"\x02", pickle.EMPTY_DICT, pickle.MARK]
     for i, t in enumerate(planned):
@@ -111,18 +109,25 @@ def pt_data_pkl(planned: Sequence[OutTensor]) -> bytes:
             stride[d] = acc
             acc *= shape[d]
         dname = dtype_name(t.out_dtype)
-        storage_type = _PT_STORAGE_TYPES.get(dname, dname)
+        legacy = _PT_STORAGE_TYPES.get(dname)
+        if legacy is not None:
+            rebuild, storage, count, tail = (b"_rebuild_tensor_v2", f"torch\n{legacy}\n",
+                                             math.prod(shape), [])
+        else:
+            rebuild, storage, count = (b"_rebuild_tensor_v3", "torch.storage\nUntypedStorage\n",
+                                       t.out_nbytes)
+            tail = [pickle.GLOBAL + f"torch\n{dname}\n".encode("ascii")]
         out += [
             _pickle_str(t.name),
-            pickle.GLOBAL + b"torch._utils\n_rebuild_tensor_v2\n",
+            pickle.GLOBAL + b"torch._utils\n" + rebuild + b"\n",
             pickle.MARK,
             pickle.MARK, _pickle_str("storage"),
-            pickle.GLOBAL + f"torch\n{storage_type}\n".encode("ascii"),
-            _pickle_str(str(i)), _pickle_str("cpu"), _pickle_int(math.prod(shape)), pickle.TUPLE,
+            pickle.GLOBAL + storage.encode("ascii"),
+            _pickle_str(str(i)), _pickle_str("cpu"), _pickle_int(count), pickle.TUPLE,
             pickle.BINPERSID,
             _pickle_int(0), _pickle_tuple(shape), _pickle_tuple(stride), pickle.NEWFALSE,
             pickle.GLOBAL + b"collections\nOrderedDict\n", pickle.EMPTY_TUPLE, pickle.REDUCE,
-            pickle.TUPLE, pickle.REDUCE,
+            *tail, pickle.TUPLE, pickle.REDUCE,
         ]
     out += [pickle.SETITEMS, pickle.STOP]
     return b"".join(out)
