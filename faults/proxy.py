@@ -1,0 +1,158 @@
+"""A chaos proxy for object-store servers: seeded random faults on a share of the requests.
+
+:class:`ChaosProxy` is a threaded HTTP/1.1 proxy on 127.0.0.1 in front of an S3 (or GCS) server.
+Each request is, with probability ``rate``, given one fault drawn from ``kinds``:
+
+- ``reset``: the connection is reset (TCP RST) before the request reaches the server;
+- ``reset-after``: the request reaches the server (it takes effect), then the connection is
+  reset, so the client sees a failure for a request that succeeded;
+- ``500`` / ``503``: an S3 error answer (InternalError / SlowDown) instead of the server's;
+- ``slow``: the answer comes after a random pause (up to ``slow_s``);
+- ``truncate``: the server's answer goes out with its full ``Content-Length`` but only part of
+  the body, then the connection closes.
+
+The draws come from one seeded generator; requests on several threads arrive in an order the seed
+does not fix, so a seed reproduces the mix of faults, not the exact sequence.
+``tests/_servers.py``'s ``FaultProxy`` is the deterministic sibling (one chosen request).
+"""
+
+from __future__ import annotations
+
+import http.client
+import random
+import socket
+import struct
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from faults._common import TESTS
+
+assert TESTS  # importing _common put tests/ on the path: _servers comes from there
+from _servers import HOST, S3_ERROR_BODIES, free_port  # noqa: E402
+
+KINDS = ("reset", "reset-after", "500", "503", "slow", "truncate")
+
+
+class ChaosProxy:
+    """See the module docstring. ``enabled`` turns the faults on and off (forwarding goes on)."""
+
+    def __init__(self, upstream: str, *, seed: int = 0, rate: float = 0.05,
+                 kinds: tuple[str, ...] = KINDS, slow_s: float = 0.3) -> None:
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {KINDS}")
+        self.rate, self.kinds, self.slow_s = rate, kinds, slow_s
+        self.enabled = True
+        self.injected: Counter[str] = Counter()
+        self.requests = 0
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        up_host, up_port = upstream.split("://", 1)[1].rsplit(":", 1)
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return None
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = bytearray()
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                        if size == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            return bytes(out)
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else b""
+
+            def _forward(self, body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
+                headers = {k: v for k, v in self.headers.items()
+                           if k.lower() not in ("transfer-encoding", "connection")}
+                headers["Content-Length"] = str(len(body))
+                conn = http.client.HTTPConnection(up_host, int(up_port), timeout=120)
+                try:
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    return resp, resp.read()
+                finally:
+                    conn.close()
+
+            def _reset(self) -> None:
+                # SO_LINGER 0: close() sends RST, the client sees a connection reset.
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                           struct.pack("ii", 1, 0))
+                self.close_connection = True
+
+            def _handle(self) -> None:
+                body = self._body()
+                kind, pause = proxy._draw()
+                if kind == "reset":
+                    self._reset()
+                    return
+                if kind in ("500", "503"):
+                    data = S3_ERROR_BODIES[int(kind)]
+                    self.send_response(int(kind))
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                    return
+                resp, data = self._forward(body)
+                if kind == "reset-after":
+                    self._reset()
+                    return
+                if kind == "slow":
+                    time.sleep(pause)  # the fault itself: a slow answer
+                self.send_response(resp.status, resp.reason)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                length = (resp.getheader("Content-Length") or "0") if self.command == "HEAD" \
+                    else str(len(data))
+                self.send_header("Content-Length", length)
+                self.end_headers()
+                if self.command == "HEAD":
+                    return
+                if kind == "truncate" and len(data) > 1:
+                    self.wfile.write(data[:len(data) // 2])
+                    self.wfile.flush()
+                    self._reset()
+                    return
+                self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle
+
+        for attempt in range(3):
+            try:
+                self._server = ThreadingHTTPServer((HOST, free_port()), Handler)
+                break
+            except OSError:
+                if attempt == 2:
+                    raise
+        self._server.daemon_threads = True
+        self.url = f"http://{HOST}:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
+                                        name="chaos-proxy")
+        self._thread.start()
+
+    def _draw(self) -> tuple[str | None, float]:
+        with self._lock:
+            self.requests += 1
+            if not self.enabled or self._rng.random() >= self.rate:
+                return None, 0.0
+            kind = self._rng.choice(self.kinds)
+            self.injected[kind] += 1
+            return kind, self._rng.uniform(0.0, self.slow_s)
+
+    def stop(self) -> None:
+        """Stop serving."""
+        self._server.shutdown()
+        self._server.server_close()

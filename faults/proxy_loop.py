@@ -1,0 +1,213 @@
+"""Saves and restores through the chaos proxy (:mod:`faults.proxy`) in front of the S3 server.
+
+A manager writes through the proxy with seeded random faults on a share of the requests
+(connection resets before and after the request took effect, 500/503 answers, slow answers,
+truncated bodies): each step is trained (the run of :mod:`faults._common`) and saved with
+``save`` or ``save_async`` (seeded choice), and every few steps every listed step is restored
+through the proxy too. The promises checked:
+
+- every public call returns normally or raises one of our errors (``CkptmgrError``: ``SaveError``,
+  ``AsyncSaveError``, ``StorageError``, ...), never a raw backend error;
+- a restore through the proxy returns the exact bytes of that step's save or raises our error;
+- at the end, read straight from the server: every listed step restores bit-exact, every step
+  reported committed is listed unless retention removed it, the foreign files are untouched.
+
+ckptmgr's retry policy is shortened and the clients' own retries are turned off (as
+``tests/test_buckets_faults.py`` does), so what is attacked is ckptmgr's handling, in seconds.
+
+``python -m faults.proxy_loop --saves 500 --rate 0.05 [--seed N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from faults._common import (
+    MAX_TO_KEEP,
+    FaultFound,
+    Root,
+    Trajectory,
+    build,
+    open_root,
+    plant_foreign,
+    state,
+    target,
+    train_step,
+    verify_root,
+)
+from faults.proxy import KINDS, ChaosProxy
+
+
+@dataclass
+class ProxyReport:
+    """What one proxy loop did."""
+
+    seed: int
+    rate: float
+    saves: int = 0
+    save_errors: Counter[str] = field(default_factory=Counter)
+    restores: int = 0
+    restore_errors: Counter[str] = field(default_factory=Counter)
+    reopened: int = 0
+    committed: int = 0
+    injected: Counter[str] = field(default_factory=Counter)
+    requests: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"seed": self.seed, "rate": self.rate, "saves": self.saves,
+                "save_errors": dict(self.save_errors), "restores": self.restores,
+                "restore_errors": dict(self.restore_errors), "reopened": self.reopened,
+                "committed": self.committed, "requests": self.requests,
+                "injected": dict(self.injected), "seconds": round(self.seconds, 1)}
+
+
+@contextlib.contextmanager
+def fast_retries() -> Iterator[None]:
+    """ckptmgr's retry policy shortened, s3fs's own retry loop off (restored afterwards)."""
+    import s3fs
+
+    from ckptmgr.storage import _retry
+
+    saved = _retry.DEFAULT_POLICY, s3fs.S3FileSystem.retries
+    _retry.DEFAULT_POLICY = _retry.RetryPolicy(max_attempts=4, initial_backoff_s=0.02,
+                                               max_backoff_s=0.1, total_timeout_s=20.0)
+    s3fs.S3FileSystem.retries = 1
+    try:
+        yield
+    finally:
+        _retry.DEFAULT_POLICY, s3fs.S3FileSystem.retries = saved
+
+
+def _ours(e: BaseException, what: str, report_to: Counter[str]) -> None:
+    from ckptmgr.errors import CkptmgrError
+
+    if not isinstance(e, CkptmgrError):
+        raise FaultFound(f"{what} raised {type(e).__module__}.{type(e).__name__}, not one of "
+                         f"our errors: {e}") from e
+    report_to[type(e).__name__] += 1
+
+
+def proxy_loop(saves: int, seed: int = 0, *, rate: float = 0.05,
+               kinds: tuple[str, ...] = KINDS, restore_every: int = 4,
+               log: Any = None) -> ProxyReport:
+    """``saves`` saves (and restores) through the chaos proxy; see the module docstring.
+
+    Raises:
+        FaultFound: a promise broken, with the seed and the step.
+    """
+    from ckptmgr.events import CheckpointListener
+
+    rng = random.Random(seed)
+    report = ProxyReport(seed, rate)
+    traj = Trajectory()
+    committed: set[int] = set()
+
+    class Report(CheckpointListener):
+        def on_save_end(self, stats: Any) -> None:
+            committed.add(int(stats.step))
+
+    t0 = time.monotonic()
+    with fast_retries(), open_root("s3") as root:
+        plant_foreign(root)
+        proxy = ChaosProxy(root.server.endpoint_url, seed=seed, rate=rate, kinds=kinds)
+        opts = root.server.storage_options(endpoint_url=proxy.url,
+                                           config_kwargs={"retries": {"max_attempts": 0}})
+        chaos = Root("s3", root.url, opts)
+        mgr: Any = None
+        model, opt = build()
+        try:
+            for step in range(saves):
+                where = f"seed {seed}, rate {rate}, step {step}"
+                train_step(model, opt, step)
+                if mgr is None:
+                    try:
+                        mgr = chaos.manager(read_only=False, max_to_keep=MAX_TO_KEEP)
+                        mgr.add_listener(Report())
+                    except Exception as e:
+                        _ours(e, f"{where}: opening the root", report.save_errors)
+                        continue
+                save = mgr.save_async if rng.random() < 0.5 else mgr.save
+                report.saves += 1
+                try:
+                    save(step, state(model, opt, step))
+                except Exception as e:
+                    _ours(e, f"{where}: {save.__name__}", report.save_errors)
+                    if type(e).__name__ == "LeaseError":  # fenced: a new manager takes over
+                        with contextlib.suppress(Exception):
+                            mgr.close()
+                        mgr, report.reopened = None, report.reopened + 1
+                if mgr is not None and step % restore_every == restore_every - 1:
+                    _restore_all(mgr, traj, where, report)
+            if mgr is not None:
+                try:
+                    mgr.close()
+                except Exception as e:
+                    _ours(e, f"seed {seed}: close", report.save_errors)
+                mgr = None
+        finally:
+            if mgr is not None:
+                with contextlib.suppress(Exception):
+                    mgr.close()
+            proxy.enabled = False
+            report.injected, report.requests = proxy.injected, proxy.requests
+            proxy.stop()
+        # At rest, straight from the server: nothing committed is wrong or lost.
+        verdict = verify_root(root, traj, f"seed {seed}, rate {rate}, at the end",
+                              reported=committed)
+        if log is not None:
+            log(f"listed {verdict.listed}, leftovers {verdict.leftovers}")
+    report.committed = len(committed)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+def _restore_all(mgr: Any, traj: Trajectory, where: str, report: ProxyReport) -> None:
+    try:
+        mgr.wait_until_finished()
+    except Exception as e:
+        _ours(e, f"{where}: wait_until_finished", report.save_errors)
+    for step in list(mgr.all_steps()):
+        got = target()
+        report.restores += 1
+        try:
+            mgr.restore(step, got)
+        except Exception as e:
+            _ours(e, f"{where}: restore({step})", report.restore_errors)
+            continue
+        why = traj.mismatch(step, got)
+        if why is not None:
+            raise FaultFound(f"{where}: restore({step}) through the proxy returned wrong "
+                             f"bytes without an error: {why}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m faults.proxy_loop",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--saves", type=int, default=40)
+    p.add_argument("--rate", type=float, default=0.05, help="share of requests given a fault")
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS)}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-v", "--verbose", action="store_true")
+    a = p.parse_args(argv)
+    try:
+        rep = proxy_loop(a.saves, a.seed, rate=a.rate, kinds=tuple(a.kinds.split(",")),
+                         log=(lambda m: print(m, file=sys.stderr)) if a.verbose else None)
+    except FaultFound as e:
+        print(f"FAULT FOUND: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(rep.summary()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The fault catalogue's short runs of the I/O faults: a chaos proxy in front of the S3 server,
+a disk that fills up mid-save, a root that becomes read-only (faults/proxy_loop.py,
+faults/disk_loop.py; the long runs and what they check: docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from _servers import MotoS3
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from faults import _common
+from faults.disk_loop import MountUnavailable, disk_full, read_only_root
+from faults.proxy_loop import proxy_loop
+
+SEED = int(os.environ.get("CKPTMGR_FAULTS_SEED", "0"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("rate", "saves"), [(0.1, 8), (0.35, 8)])
+def test_saves_and_restores_through_the_chaos_proxy(moto_s3: MotoS3, rate: float,
+                                                     saves: int) -> None:
+    """Every save and restore either is exact or raises our error; at rest nothing committed is
+    wrong or lost. At rate 0.35 some saves run out of retries: their errors are ours."""
+    _common.use_s3_server(moto_s3)
+    report = proxy_loop(saves, SEED, rate=rate)
+    assert sum(report.injected.values()) > 0, report.summary()
+    assert report.committed > 0, report.summary()
+
+
+def test_disk_full_mid_save() -> None:
+    try:
+        report = disk_full(6, SEED)
+    except MountUnavailable as e:
+        pytest.skip(f"no size-limited tmpfs here: {e}")
+    assert sum(report.save_errors.values()) > 0, report.summary()  # the disk did fill up
+    assert report.recovered == sum(report.save_errors.values()), report.summary()
+
+
+def test_read_only_root() -> None:
+    try:
+        report = read_only_root(SEED)
+    except MountUnavailable as e:
+        pytest.skip(f"no tmpfs to remount read-only here: {e}")
+    assert sum(report.readonly_errors.values()) == 2, report.summary()
+    assert report.readonly_restores == 3, report.summary()
