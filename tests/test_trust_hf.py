@@ -188,6 +188,18 @@ def test_rename_failing_midway_puts_the_old_files_back(tmp_path: Path,
     assert torch.equal(load_file(str(out / r.shards[0]))["w0"], torch.randn(64))
 
 
+def test_export_refuses_names_that_would_overwrite_header_entries(tmp_path: Path) -> None:
+    with ckptmgr.CheckpointManager(str(tmp_path / "root"), 1) as mgr:
+        mgr.save(1, {"a": torch.ones(2), "a.a": torch.zeros(3)})
+    # only="a" writes both "a" and "a.a" as "a": one header entry would replace the other
+    with pytest.raises(ConfigError, match="both written as 'a'"):
+        tools.export_step(str(tmp_path / "root"), 1, tmp_path / "a.safetensors", only="a")
+    with pytest.raises(ConfigError, match="__metadata__"):
+        tools.export_hf(str(tmp_path / "root"), 1, tmp_path / "hf",
+                        key_map=lambda n: "__metadata__" if n == "a" else n)
+    assert not (tmp_path / "a.safetensors").exists() and not (tmp_path / "hf").exists()
+
+
 # ---------------------------------------------------------------- defect 5: load_initial input
 
 

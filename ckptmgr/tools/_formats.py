@@ -60,6 +60,9 @@ def safetensors_header(planned: Sequence[OutTensor], step: int) -> bytes:
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "ckptmgr_step": str(step)}}
     pos = 0
     for t in planned:
+        if t.name == "__metadata__":  # the header's own entry: a tensor there would replace it
+            raise ConfigError(f"{t.key!r} would be named '__metadata__', which safetensors "
+                              "reserves; rename it (key_map) or choose another prefix")
         code = _SAFETENSORS_DTYPES.get(dtype_name(t.out_dtype))
         if code is None:
             raise ConfigError(f"{t.key!r} has dtype {dtype_name(t.out_dtype)}, which safetensors "

@@ -293,6 +293,7 @@ def export_step(url: str, step: int | None, out: str | os.PathLike[str], *,
     if not os.path.isdir(parent):
         raise ConfigError(f"the output directory {parent!r} does not exist")
     step, source, planned, skipped = _open_step(url, step, storage_options, only, cast)
+    _check_unique_names(planned, "choose another 'only' prefix")
     header = safetensors_header(planned, step) if fmt == "safetensors" else b""
     total = sum(t.out_nbytes for t in planned)
     tmp = ""
@@ -407,6 +408,16 @@ class HfExportResult:
                 "bytes": self.nbytes, "skipped": list(self.skipped)}
 
 
+def _check_unique_names(planned: list[_Planned], hint: str) -> None:
+    """Two tensors under one output name would overwrite each other's header entry."""
+    seen: dict[str, str] = {}
+    for t in planned:
+        if t.name in seen:
+            raise ConfigError(f"{seen[t.name]!r} and {t.key!r} are both written as {t.name!r}; "
+                              f"{hint}")
+        seen[t.name] = t.key
+
+
 def _renamed(planned: list[_Planned], key_map: Callable[[str], str | None] | None,
              ) -> tuple[list[_Planned], list[str]]:
     """Apply ``key_map`` to the output names; None drops a tensor."""
@@ -491,12 +502,7 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
                           "directory")
     step, source, planned, skipped = _open_step(url, step, storage_options, prefix, cast)
     planned, dropped = _renamed(planned, key_map)
-    seen: dict[str, str] = {}
-    for t in planned:
-        if t.name in seen:
-            raise ConfigError(f"{seen[t.name]!r} and {t.key!r} are both written as {t.name!r}; "
-                              "change the prefix or the key map")
-        seen[t.name] = t.key
+    _check_unique_names(planned, "change the prefix or the key map")
     shards = _shard(planned, limit)
     n = len(shards)
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
