@@ -22,6 +22,12 @@ cast to the target's dtype; a ckptmgr root must match dtypes as ``restore`` requ
 Ranks: every rank calls :func:`load_initial` (the caller agrees on the outcome). File sources are
 read whole on each rank, one tensor at a time, and each rank copies the slices its DTensors hold;
 a ckptmgr root is loaded collectively.
+
+Files are untrusted bytes: only regular files are opened (symbolic links followed, as the Hugging
+Face hub cache needs; a FIFO or device is refused, never waited on); an index may name only plain
+file names in its directory; every number of a safetensors header is checked against the file
+before anything is allocated; a zip ``torch.save`` file's storages are checked against their
+records before it is memory-mapped. A malformed file is :class:`ConfigError` naming it.
 """
 
 from __future__ import annotations
@@ -659,9 +665,11 @@ def load_initial(source: str | os.PathLike[str], state_dict: Mapping[str, Any], 
 
     Raises:
         StateMismatchError: nothing matches, or shapes differ (ckptmgr roots: dtypes too).
-        ConfigError: an unreadable or unknown source.
-        UnsafeCheckpointError: a plain-DCP source (pickle), or an index naming outside files.
-        CorruptCheckpointError, StorageError: as ``restore``, for a ckptmgr root.
+        ConfigError: an unreadable, malformed or unknown source, or not a regular file.
+        UnsafeCheckpointError: a plain-DCP source (pickle), or an index naming anything but a
+            plain file name in its directory.
+        CorruptCheckpointError, StorageError: as ``restore``, for a ckptmgr root; StorageError
+            also when reading a local file fails midway.
     """
     if key_map is not None and not (callable(key_map) or isinstance(key_map, Mapping)):
         raise ConfigError(f"key_map must be a callable or a dict, got {type(key_map).__name__}")
