@@ -154,6 +154,9 @@ def test_failed_export_leaves_the_existing_export_byte_for_byte(tmp_path: Path) 
     with pytest.raises(CorruptCheckpointError, match="w5"):
         tools.export_hf(str(damaged), 1, out, max_shard_size=600)
     assert _snapshot(out) == before  # no file replaced, removed or left behind
+    with pytest.raises(CorruptCheckpointError, match="w5"):  # a directory it made goes too
+        tools.export_hf(str(damaged), 1, tmp_path / "new", max_shard_size=600)
+    assert not (tmp_path / "new").exists()
     assert cli_main(["export", str(damaged), "--step", "1", "--format", "hf", str(out),
                      "--max-shard-size", "600"]) == 1
     assert _snapshot(out) == before

@@ -513,6 +513,7 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
         if os.path.isdir(path) and not os.path.islink(path):
             raise ConfigError(f"{path!r} is a directory; export --format hf writes a file of that "
                               "name: move the directory away")
+    created = not os.path.lexists(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -549,6 +550,9 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
         for tmp, _ in staged:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+        if created:  # a directory this export made goes too (rmdir: only while empty)
+            with contextlib.suppress(OSError):
+                os.rmdir(out_dir)
         if isinstance(e, OSError) and not isinstance(e, CkptmgrError):
             raise StorageError(f"writing the export into {out_dir!r} failed (the directory is "
                                f"as it was): {e.strerror or e}") from e
