@@ -75,8 +75,12 @@ def blob(step: int) -> torch.Tensor:
 
 
 def extra(step: int) -> dict[str, Any]:
-    """The Python values saved at ``step`` (an empty dict inside a list included)."""
-    return {"step": step, "tag": f"step-{step}", "nested": [step, {"empty": {}}, (1.5, None)]}
+    """The Python values saved at ``step`` (an empty dict inside a list included, unless
+    ``CKPTMGR_FAULTS_NO_EMPTY_DICT=1``: code that drops it, Trust I defect 10, fails every check
+    at once, which hides whatever else a run would find there)."""
+    plain = os.environ.get("CKPTMGR_FAULTS_NO_EMPTY_DICT") == "1"
+    inner: dict[str, Any] = {"k": 1} if plain else {"empty": {}}
+    return {"step": step, "tag": f"step-{step}", "nested": [step, inner, (1.5, None)]}
 
 
 def state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
@@ -91,7 +95,7 @@ def target() -> dict[str, Any]:
     model, opt = build()
     ckptmgr.prime_optimizer(opt)
     return {"model": model, "optim": opt, "blob": torch.zeros(BLOB_SHAPE),
-            "extra": {"step": -1, "tag": "", "nested": [-1, {"empty": {}}, (0.0, None)]}}
+            "extra": {"step": -1, "tag": "", "nested": [-1, {}, (0.0, None)]}}
 
 
 class Trajectory:

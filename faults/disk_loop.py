@@ -9,7 +9,8 @@ the foreign files be untouched; the ballast is removed and the same manager must
 **Read-only root** (:func:`read_only_root`): a few steps are committed on a tmpfs, then it is
 remounted read-only (root ignores permission bits, so ``chmod`` would not stop it). Saves must
 fail with our errors, restores (the writer's manager and a reader's) must still return exact
-data; after remounting read-write nothing committed is damaged and saving works again.
+data; the outage lasts past the writer's lease (a 2 s TTL); after remounting read-write nothing
+committed is damaged and the same manager saves again (it takes its expired lease back).
 
 ``python -m faults.disk_loop --rounds 50 [--seed N]`` (exit status 2 when tmpfs cannot be
 mounted here: not root, or no permission).
@@ -178,6 +179,21 @@ def disk_full(rounds: int, seed: int = 0, *, report: DiskReport | None = None) -
     return report
 
 
+LEASE_TTL_S = 2.0
+
+
+def _outlast_lease(root: Root) -> None:
+    """Return once the lease file's ``expires`` has passed (the outage outlasted the lease)."""
+    raw = root.get(".ckptmgr-lease.json")
+    expires = float(json.loads(raw)["expires"]) if raw else 0.0
+    deadline = time.monotonic() + 10 * LEASE_TTL_S
+    while time.time() <= expires + 0.1:
+        if time.monotonic() > deadline:
+            raise FaultFound(f"the lease file says it expires at {expires}, "
+                             f"{expires - time.time():.0f} s from now, with a {LEASE_TTL_S} s TTL")
+        time.sleep(0.05)  # a clock condition: the outage must last past the lease's expiry
+
+
 def read_only_root(seed: int = 0, *, report: DiskReport | None = None) -> DiskReport:
     """Commit steps, remount the root read-only, attack, remount read-write; see the module
     docstring.
@@ -194,7 +210,17 @@ def read_only_root(seed: int = 0, *, report: DiskReport | None = None) -> DiskRe
     with tmpfs("64m") as fs_dir:
         root = Root("local", os.path.join(fs_dir, "run"), None, path=os.path.join(fs_dir, "run"))
         plant_foreign(root)
-        mgr = root.manager(read_only=False, max_to_keep=MAX_TO_KEEP)
+        # A short lease, so that the outage outlasts it (Trust I defect 12: a writer whose lease
+        # expired while nobody took it must take it back, not stop saving for good).
+        saved_ttl = os.environ.get("CKPTMGR_LEASE_TTL_S")
+        os.environ["CKPTMGR_LEASE_TTL_S"] = str(LEASE_TTL_S)
+        try:
+            mgr = root.manager(read_only=False, max_to_keep=MAX_TO_KEEP)
+        finally:
+            if saved_ttl is None:
+                del os.environ["CKPTMGR_LEASE_TTL_S"]
+            else:
+                os.environ["CKPTMGR_LEASE_TTL_S"] = saved_ttl
         committed: set[int] = set()
         try:
             for step in range(3):
@@ -228,6 +254,7 @@ def read_only_root(seed: int = 0, *, report: DiskReport | None = None) -> DiskRe
                         raise FaultFound(f"seed {seed}: restore({step}), read-only: {why}")
                     report.readonly_restores += 1
                 verify_root(root, traj, "read-only root, a reader", reported=committed)
+                _outlast_lease(root)
             finally:
                 _mount("-o", "remount,rw", fs_dir)
             verify_root(root, traj, "read-only root, after remounting read-write",

@@ -11,7 +11,8 @@ import sys
 import pytest
 from _servers import MotoS3
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Appended: a PYTHONPATH naming another ckptmgr (the code before a fix) still wins.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from faults import _common
 from faults.disk_loop import MountUnavailable, disk_full, read_only_root
@@ -48,3 +49,5 @@ def test_read_only_root() -> None:
         pytest.skip(f"no tmpfs to remount read-only here: {e}")
     assert sum(report.readonly_errors.values()) == 2, report.summary()
     assert report.readonly_restores == 3, report.summary()
+    # The outage outlasted the lease, nobody took it: the writer takes it back and saves.
+    assert report.readonly_same_manager_saved_after, report.summary()

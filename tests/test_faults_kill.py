@@ -17,7 +17,8 @@ import pytest
 from _servers import MotoS3
 from _zygote import Zygote
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Appended: a PYTHONPATH naming another ckptmgr (the code before a fix) still wins.
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from faults import _common
 from faults.kill_loop import kill_loop
