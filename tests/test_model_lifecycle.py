@@ -18,12 +18,15 @@ examples per backend (S3: N/4) instead of the fixed CI set (docs/testing.md).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import shutil
 import tempfile
 import uuid
-from contextlib import suppress
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +79,10 @@ PLANTS = {"NOTES.txt": b"the user's notes\n", "user-data/a.bin": b"\x00\x01 not 
 LOCAL_KEEP = 2  # local_max_to_keep
 TIME_INTERVAL = 10.0  # keep_time_interval (the model's clock advances 0, 4 or 11 s per save)
 
+# close() saves the newest step given to save/save_async when newer than the newest committed
+# one (save_on_close, DESIGN.md section 2); managers without the option never do.
+SAVE_ON_CLOSE = "save_on_close" in inspect.signature(CheckpointManager.__init__).parameters
+
 _LONG = int(os.environ.get("CKPTMGR_MODEL_EXAMPLES", "0") or 0)
 # CKPTMGR_MODEL_SHRINK=0: report the first failing sequence as found (minutes faster).
 _PHASES = [p for p in Phase if p is not Phase.shrink or os.environ.get(
@@ -106,6 +113,16 @@ class Expect:
     raises: type[BaseException] | None = None
     durable: str | None = None  # None, "new" or "overwrite"
     local: bool = False
+    due: bool = False  # due or forced: the call reaches the save (and forgets a given step)
+
+
+@dataclass(frozen=True)
+class Given:
+    """The newest step given to the writer's save/save_async and not saved (save_on_close)."""
+
+    step: int
+    version: Version
+    changed: bool  # the state was modified after the call (save_async's scribbling)
 
 
 @dataclass
@@ -168,6 +185,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.foreign_steps = {FOREIGN_STEP}
         self.plants = dict(PLANTS)
         self.pending: Expect | None = None  # a save_async not joined yet
+        self.given: Given | None = None
         self.verified: dict[int, Any] = {}  # step -> its files when last restored bit-exact
         self.seeds = itertools.count(1)
         self.hi = 0
@@ -191,7 +209,8 @@ class Lifecycle(RuleBasedStateMachine):
     def teardown(self) -> None:
         for mgr in (self.writer, self.reader):
             if mgr is not None:
-                with suppress(Exception):
+                with suppress(Exception), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
                     mgr.close()
         if self.root:
             remove_tree(self.root)
@@ -210,6 +229,7 @@ class Lifecycle(RuleBasedStateMachine):
             mgr = CheckpointManager(self.root, c["save_interval"], **kw)
         # A new local tier verifies every local step: damaged and wiped ones are gone.
         self.damaged, self.wiped, self.maybe_listed = {}, set(), set()
+        self.given = None
         return mgr
 
     # ------------------------------------------------------------------------ the model
@@ -230,11 +250,13 @@ class Lifecycle(RuleBasedStateMachine):
         step = self.hi + 1
         return step + 1 if step == FOREIGN_STEP else step
 
-    def _expect(self, step: int, force: bool, data: Any) -> Expect:
-        """What saving ``step`` now must do (DESIGN.md sections 2 and 5, docs/multitier.md)."""
-        dt = int(data.draw(st.sampled_from([0, 4, 11]), label="seconds since last save"))
-        loss = float(data.draw(st.sampled_from([0.5, 1.0, 2.0]), label="loss"))
-        v = Version(next(self.seeds), self.now + dt, loss)
+    def _expect(self, step: int, force: bool, data: Any, v: Version | None = None) -> Expect:
+        """What saving ``step`` now must do (DESIGN.md sections 2 and 5, docs/multitier.md);
+        ``v``: the version saved (default: a new one)."""
+        if v is None:
+            dt = int(data.draw(st.sampled_from([0, 4, 11]), label="seconds since last save"))
+            loss = float(data.draw(st.sampled_from([0.5, 1.0, 2.0]), label="loss"))
+            v = Version(next(self.seeds), self.now + dt, loss)
         self.hi = max(self.hi, step)
         c = self.cfg
         durable_due = force or step % c["save_interval"] == 0
@@ -243,17 +265,17 @@ class Lifecycle(RuleBasedStateMachine):
         if durable_due:
             if step in self.foreign_steps:  # never written into, even with overwrite
                 if force:
-                    return Expect(step, v, raises=CheckpointExistsError)
+                    return Expect(step, v, raises=CheckpointExistsError, due=True)
             elif step in self.durable:
                 if c["overwrite"]:
                     durable = "overwrite"
                 elif force:
-                    return Expect(step, v, raises=CheckpointExistsError)
+                    return Expect(step, v, raises=CheckpointExistsError, due=True)
             else:
                 durable = "new"
         if durable is None and not local_due:
-            return Expect(step, v)
-        return Expect(step, v, returns=True, durable=durable, local=local_due)
+            return Expect(step, v, due=durable_due or local_due)
+        return Expect(step, v, returns=True, durable=durable, local=local_due, due=True)
 
     def _apply(self, e: Expect, *, retention: bool = True) -> None:
         """The model after ``e`` committed (``retention=False``: its writer lost the lease
@@ -283,6 +305,50 @@ class Lifecycle(RuleBasedStateMachine):
         self.writer.join()
         if e is not None:
             self._apply(e)
+
+    def _note_given(self, e: Expect, asynchronous: bool) -> None:
+        """The writer's record of the newest step given and not saved, for close()."""
+        if e.due:
+            if self.given is not None and self.given.step <= e.step:
+                self.given = None  # the call reaches the save: it covers that step
+        elif self.given is None or e.step >= self.given.step:
+            self.given = Given(e.step, e.version, changed=asynchronous)
+
+    def _close_writer(self) -> None:
+        """Close the writer normally: with save_on_close, the newest step given and not saved
+        is saved now if newer than the newest listed one (a RuntimeWarning instead when the
+        state changed since)."""
+        mgr, g = self.writer, self.given
+        assert mgr is not None
+        self.writer, self.given = None, None
+        newest = mgr.latest_step()
+        due = SAVE_ON_CLOSE and g is not None and (newest is None or g.step > newest)
+        e = self._expect(g.step, True, None, g.version) if due and g and not g.changed else None
+        err: CkptmgrError | None = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                mgr.close()
+            except CkptmgrError as x:
+                err = x
+        warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)
+                  and "close()" in str(w.message)]
+        assert bool(warned) == (due and g is not None and g.changed), (
+            f"close() with {g} given (newest listed: {newest}) warned {warned}")
+        if e is not None and e.raises is not None:
+            assert isinstance(err, e.raises), f"close() saving {g}: {err!r}; expected {e}"
+            return
+        assert err is None, f"close() raised {type(err).__name__}: {err}; expected {e}"
+        if e is not None:
+            self._apply(e)
+
+    @contextmanager
+    def _quiet_close(self) -> Iterator[None]:
+        """For closing a manager whose storage is dead or whose lease was lost: its errors and
+        its save_on_close warning are expected; what it changes is checked by the caller."""
+        with suppress(CkptmgrError), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            yield
 
     def _save(self, mgr: CheckpointManager, e: Expect, *, asynchronous: bool,
               force: bool) -> bool:
@@ -321,6 +387,7 @@ class Lifecycle(RuleBasedStateMachine):
         assert self.writer is not None
         self._settle()
         e = self._expect(step, force, data)
+        self._note_given(e, asynchronous)
         try:
             got = self._save(self.writer, e, asynchronous=asynchronous, force=force)
         except CkptmgrError as err:
@@ -403,7 +470,7 @@ class Lifecycle(RuleBasedStateMachine):
             err = x
         crashed = self.proc.dead
         self.proc.kill()  # crashed now if not before: nothing it does reaches storage
-        with suppress(CkptmgrError):
+        with self._quiet_close():
             self.writer.close()  # frees threads; its storage is dead
         self.writer = None
         uncertain: Expect | None = None
@@ -498,7 +565,7 @@ class Lifecycle(RuleBasedStateMachine):
             assert not got and (err is None or isinstance(err, LeaseError)), (
                 f"the writer that lost its lease, at a step that is not due: {got}, {err!r}")
         self._same_files(before, "after the fenced writer's save")
-        with suppress(CkptmgrError):
+        with self._quiet_close():
             old.close()
         self._same_files(before, "after the fenced writer's close")
 
@@ -532,7 +599,7 @@ class Lifecycle(RuleBasedStateMachine):
             except CkptmgrError as err:  # it committed; being told of the lost lease is fine
                 assert isinstance(err, (LeaseError, AsyncSaveError)) and "lease" in str(err), err
             self._same_files(before, f"after writer A (fenced) finished its save of {ea.step}")
-            with suppress(CkptmgrError):
+            with self._quiet_close():
                 a.close()
             self._same_files(before, "after writer A (fenced) closed")
         finally:
@@ -626,8 +693,7 @@ class Lifecycle(RuleBasedStateMachine):
         """A clean restart: close, open again; the same steps, the same versions."""
         assert self.writer is not None
         self._quiesce()
-        self.writer.close()
-        self.writer = None
+        self._close_writer()
         self.writer = self._open()
 
     # ------------------------------------------------------------------------- invariants
