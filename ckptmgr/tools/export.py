@@ -198,7 +198,13 @@ class _TensorSource:
         chunks = list(dict.fromkeys(
             (tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
             for c in meta.chunks if _numel(c.sizes) or not _numel(meta.size)))
-        problem = coverage_problem(shape, chunks)
+        # coverage_problem skips empty chunks; a negative number in one would still reach torch.
+        nums = [*shape, *(n for o, z in chunks for n in (*o, *z))]
+        if any(n < 0 for n in nums) or any(len(o) != len(shape) or len(z) != len(shape)
+                                           for o, z in chunks):
+            problem: str | None = "a negative size or offset, or a chunk of another rank"
+        else:
+            problem = coverage_problem(shape, chunks)
         if problem is not None:
             raise self._corrupt(self.manifest.metadata_file, f"{key!r} of shape {list(shape)}: "
                                                              f"{problem}")
