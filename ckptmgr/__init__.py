@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ckptmgr.info import FileEntry, SaveStats, StepInfo
     from ckptmgr.manager import CheckpointManager
     from ckptmgr.optim import prime_optimizer
+    from ckptmgr.rng import RNGState
 
 # Imported on first use (PEP 562): ``import ckptmgr`` and the ``ckptmgr`` command line start
 # without torch, pydantic or fsspec; the first touch of one of these names imports its module.
@@ -45,6 +46,7 @@ _LAZY = {
     "CheckpointManager": "ckptmgr.manager",
     "FileEntry": "ckptmgr.info",
     "ManagerConfig": "ckptmgr.config",
+    "RNGState": "ckptmgr.rng",
     "SaveStats": "ckptmgr.info",
     "StepInfo": "ckptmgr.info",
     "prime_optimizer": "ckptmgr.optim",
@@ -78,6 +80,7 @@ __all__ = [
     "FileEntry",
     "IncompleteCheckpointError",
     "ManagerConfig",
+    "RNGState",
     "RestoreError",
     "SaveError",
     "SaveStats",

@@ -429,7 +429,7 @@ class LocalTier:
                     k.startswith(f"{key}.state.") for k in saved):
                 prime_optimizer(value)
         with torch.no_grad():
-            fs = flatten_state(state_dict)
+            fs = flatten_state(state_dict, saved=saved.keys())
             view, _ = local_view(fs.flat)
             prepared = prepare_restore(store, step, view, planner="dcp",
                                        allow_partial=allow_partial, trusted=trusted,

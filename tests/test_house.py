@@ -13,7 +13,8 @@ PKG = Path(ckptmgr.__file__).resolve().parent
 PUBLIC = [
     "AsyncSaveError", "BackendNotInstalledError", "CheckpointExistsError", "CheckpointManager",
     "CheckpointNotFoundError", "CkptmgrError", "ConfigError", "CorruptCheckpointError",
-    "FileEntry", "IncompleteCheckpointError", "ManagerConfig", "RestoreError", "SaveError",
+    "FileEntry", "IncompleteCheckpointError", "ManagerConfig", "RNGState", "RestoreError",
+    "SaveError",
     "SaveStats", "StateMismatchError", "StepInfo", "StorageError", "UnsafeCheckpointError",
     "__version__", "prime_optimizer",
 ]
@@ -59,7 +60,7 @@ LAYERS = {
     "layout": 1, "manifest": 1, "policy": 1, "config": 1, "_values": 1, "info": 1,
     "events": 1,
     "storage": 2, "step_store": 2, "lease": 2, "_arrivals": 2, "_shm": 2,
-    "dcp": 3, "optim": 3,
+    "dcp": 3, "optim": 3, "rng": 3,
     "_dist": 4,
     "_async": 5, "preemption": 5, "tiers": 5, "initial": 5, "writer_process": 5,
     "manager": 6, "tools": 6,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -102,10 +102,11 @@ def first_failure(e: CheckpointException) -> tuple[int, BaseException, dict[int,
     return rank, failures[rank], failures
 
 
-def _flatten(state_dict: Mapping[str, Any], planner: str) -> tuple[FlatState, bool]:
+def _flatten(state_dict: Mapping[str, Any], planner: str,
+             saved: Collection[str] | None = None) -> tuple[FlatState, bool]:
     """Flatten a state (XLA tensors become shard views unless ``planner="dcp"``); whether the
-    SPMD planners apply."""
-    fs = flatten_state(state_dict)
+    SPMD planners apply. ``saved``: on restore, the step's flat keys (``flatten_state``)."""
+    fs = flatten_state(state_dict, saved=saved)
     if planner == "dcp":
         if has_sharded(fs.flat):
             raise ConfigError(
@@ -319,7 +320,7 @@ def prepare_restore(source: RestoreSource | StepStore, step: int, state_dict: Ma
         source = read_restore_source(source, step, verify=verify)
     manifest, metadata = source.manifest, source.metadata
     _prime_unprimed_optimizers(state_dict, metadata)
-    fs, spmd = _flatten(state_dict, planner)
+    fs, spmd = _flatten(state_dict, planner, metadata.state_dict_metadata.keys())
     # Only values can be pickled: look them up (iterating storage_data would visit every chunk).
     stored = metadata.storage_data or {}
     pickle_keys = {fqn for fqn, m in metadata.state_dict_metadata.items()

@@ -164,7 +164,7 @@ def prepare_foreign_restore(storage: Storage, step: int, state_dict: Mapping[str
     reader = _reader(storage, step)
     md = _read_metadata(reader, step, url)
     _prime(state_dict, md)
-    fs = flatten_state(state_dict)
+    fs = flatten_state(state_dict, saved=md.state_dict_metadata.keys())
     if planner != "dcp":
         fs.flat = wrap_xla_tensors(fs.flat)
     saved = md.state_dict_metadata

@@ -2,7 +2,11 @@
 
 Rules (close to DCP's own ``flatten_state_dict``, with two differences: the original keys are kept
 so int-keyed dicts are restored in place, and ``Stateful`` objects are resolved at any depth):
-- a ``Stateful`` (``state_dict()`` + ``load_state_dict()``) is replaced by its state dict;
+- a ``Stateful`` (``state_dict()`` + ``load_state_dict()``) is replaced by its state dict; on
+  restore (``saved`` given), a Stateful that defines ``state_dict_for_restore(saved_keys)`` is
+  replaced by what that returns instead: ``saved_keys`` are the flat keys the step holds under the
+  Stateful's own path, with that path and its '.' removed, so the Stateful can ask for what exists
+  (:class:`ckptmgr.rng.RNGState`: a rank that did not exist at save time asks for rank 0's state);
 - a mapping is always traversed; its keys must be ``str`` or ``int``;
 - a list or tuple is traversed when it holds (at any depth) a tensor or a Stateful, else it is a
   single Python value;
@@ -13,7 +17,7 @@ The flat key of a leaf is its path joined with '.'. Two paths joining to one key
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,8 +106,19 @@ def check_state_dict(state_dict: Any, *, what: str = "state_dict") -> Mapping[st
         f"{{'model': model, 'optim': optimizer}}, got {type(state_dict).__name__}{hint}")
 
 
-def flatten_state(state_dict: Mapping[str, Any]) -> FlatState:
+def _saved_under(saved: Collection[str], key: str) -> frozenset[str]:
+    prefix = f"{key}."
+    return frozenset(k[len(prefix):] for k in saved if k.startswith(prefix))
+
+
+def flatten_state(state_dict: Mapping[str, Any], *,
+                  saved: Collection[str] | None = None) -> FlatState:
     """Flatten ``state_dict``; calls ``state_dict()`` on every Stateful found.
+
+    Args:
+        state_dict: the user's state.
+        saved: on restore, the flat keys the step holds: a Stateful with a
+            ``state_dict_for_restore`` method is asked through it (module docstring).
 
     Raises:
         ConfigError: the state dict is not a mapping, has a key that is not str/int, or two paths
@@ -133,7 +148,11 @@ def flatten_state(state_dict: Mapping[str, Any]) -> FlatState:
         if isinstance(value, _TENSORS):
             leaf(key_parts, root_index, path, value)
         elif isinstance(value, Stateful) and not isinstance(value, Mapping):
-            sd = value.state_dict()
+            for_restore = getattr(value, "state_dict_for_restore", None)
+            if saved is not None and callable(for_restore):
+                sd = for_restore(_saved_under(saved, ".".join(map(str, key_parts))))
+            else:
+                sd = value.state_dict()
             if not isinstance(sd, Mapping):
                 raise ConfigError(
                     f"{type(value).__name__}.state_dict() at {'.'.join(map(str, key_parts))} "
