@@ -15,7 +15,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -52,6 +52,9 @@ class Process:
         self.ops = 0
         self.hold_after_commit: tuple[int, Gate] | None = None
         self.hold_before_commit: tuple[int, Gate] | None = None
+        # (path part, callback): called once, right before this process first reads a path
+        # holding that part (in the reading thread), e.g. to run retention in the middle.
+        self.on_read: tuple[str, Callable[[], None]] | None = None
         self._after: tuple[int, Gate] | None = None  # (thread id, gate) armed by a commit
         self._lock = threading.Lock()
 
@@ -74,6 +77,10 @@ class Process:
         if after is not None and after[0] == me:
             self._after = None
             after[1].pass_()
+        hook = self.on_read
+        if hook is not None and op not in MUTATING and hook[0] in path:
+            self.on_read = None
+            hook[1]()
         step = _commit_of(op, path) if durable else None
         if step is None:
             return

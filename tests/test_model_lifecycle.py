@@ -644,6 +644,49 @@ class Lifecycle(RuleBasedStateMachine):
         assert same_state(target, make_state(self.durable[step].seed)), (
             f"reader restore({step}) is not bit-exact to {self.durable[step]}")
 
+    @precondition(lambda self: _on("reader_races_retention") and self.writer is not None
+                  and bool(self.policy.max_to_keep))
+    @rule(data=st.data())
+    def reader_races_retention(self, data: Any) -> None:
+        """Issue 25 defect 8: a reader restores a step that the writer's retention deletes
+        while it is read (right before the reader first touches its metadata or a data file):
+        CheckpointNotFoundError, never a raw storage error."""
+        assert self.writer is not None
+        self._quiesce()
+        step = self._next_step()
+        while step % self.cfg["save_interval"] or step == FOREIGN_STEP:
+            step += 1
+        e = self._expect(step, False, data)
+        after = {**self.durable, step: e.version}
+        doomed = sorted(set(after) - self.policy.keeps(after) - {step})
+        if e.durable != "new" or not doomed:
+            return
+        victim = int(data.draw(st.sampled_from(doomed), label="step deleted while read"))
+        part = f"{victim}/" + data.draw(st.sampled_from(["metadata-", "data-"]), label="when")
+        ran: list[bool] = []
+
+        def retention() -> None:
+            assert self.writer is not None
+            self._note_given(e, False)
+            ran.append(self._save(self.writer, e, asynchronous=False, force=False))
+
+        proc = Process(self.durable_url)
+        proc.on_read = (part, retention)
+        with self.env.tap.process(proc):
+            reader = CheckpointManager(self.root, 1, read_only=True, chkpt_on_preemption=False)
+        err: CkptmgrError | None = None
+        try:
+            reader.restore(victim, blank_state())
+        except CkptmgrError as x:
+            err = x
+        finally:
+            reader.close()
+        assert ran == [True], f"the save of step {step} did not run inside the restore ({ran})"
+        self._apply(e)
+        assert isinstance(err, CheckpointNotFoundError), (
+            f"a reader restoring step {victim} while retention deleted it ({part}...): "
+            f"{err!r}; expected CheckpointNotFoundError")
+
     @precondition(lambda self: _on("plant_in_step")
                   and self.writer is not None and bool(self.durable))
     @rule(data=st.data())
