@@ -25,6 +25,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -40,12 +41,14 @@ class ChaosProxy:
     """See the module docstring. ``enabled`` turns the faults on and off (forwarding goes on)."""
 
     def __init__(self, upstream: str, *, seed: int = 0, rate: float = 0.05,
-                 kinds: tuple[str, ...] = KINDS, slow_s: float = 0.3) -> None:
+                 kinds: tuple[str, ...] = KINDS, slow_s: float = 0.3,
+                 spare: Callable[[str, str], bool] | None = None) -> None:
         unknown = set(kinds) - set(KINDS)
         if unknown:
             raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {KINDS}")
         self.rate, self.kinds, self.slow_s = rate, kinds, slow_s
         self.enabled = True
+        self.spare = spare  # (method, path) -> True: never given a fault
         self.injected: Counter[str] = Counter()
         self.requests = 0
         self._rng = random.Random(seed)
@@ -93,7 +96,7 @@ class ChaosProxy:
 
             def _handle(self) -> None:
                 body = self._body()
-                kind, pause = proxy._draw()
+                kind, pause = proxy._draw(self.command, self.path)
                 if kind == "reset":
                     self._reset()
                     return
@@ -143,10 +146,12 @@ class ChaosProxy:
                                         name="chaos-proxy")
         self._thread.start()
 
-    def _draw(self) -> tuple[str | None, float]:
+    def _draw(self, method: str, path: str) -> tuple[str | None, float]:
         with self._lock:
             self.requests += 1
-            if not self.enabled or self._rng.random() >= self.rate:
+            if not self.enabled or (self.spare is not None and self.spare(method, path)):
+                return None, 0.0
+            if self._rng.random() >= self.rate:
                 return None, 0.0
             kind = self._rng.choice(self.kinds)
             self.injected[kind] += 1

@@ -15,7 +15,10 @@ through the proxy too. The promises checked:
 ckptmgr's retry policy is shortened and the clients' own retries are turned off (as
 ``tests/test_buckets_faults.py`` does), so what is attacked is ckptmgr's handling, in seconds.
 
-``python -m faults.proxy_loop --saves 500 --rate 0.05 [--seed N]``
+And :func:`outage`: the server gone for good during a save and a restore; each must fail with
+our error within the retry budget of one operation.
+
+``python -m faults.proxy_loop --saves 500 --rate 0.05 [--seed N]``, ``... --outage``
 """
 
 from __future__ import annotations
@@ -72,15 +75,17 @@ class ProxyReport:
 
 
 @contextlib.contextmanager
-def fast_retries() -> Iterator[None]:
-    """ckptmgr's retry policy shortened, s3fs's own retry loop off (restored afterwards)."""
+def fast_retries(budget_s: float = 20.0, max_attempts: int = 4) -> Iterator[None]:
+    """ckptmgr's retry policy shortened (``budget_s`` for one operation's failures), s3fs's own
+    retry loop off (restored afterwards)."""
     import s3fs
 
     from ckptmgr.storage import _retry
 
     saved = _retry.DEFAULT_POLICY, s3fs.S3FileSystem.retries
-    _retry.DEFAULT_POLICY = _retry.RetryPolicy(max_attempts=4, initial_backoff_s=0.02,
-                                               max_backoff_s=0.1, total_timeout_s=20.0)
+    _retry.DEFAULT_POLICY = _retry.RetryPolicy(max_attempts=max_attempts,
+                                               initial_backoff_s=0.02, max_backoff_s=0.1,
+                                               total_timeout_s=budget_s)
     s3fs.S3FileSystem.retries = 1
     try:
         yield
@@ -171,6 +176,110 @@ def proxy_loop(saves: int, seed: int = 0, *, rate: float = 0.05,
     return report
 
 
+@dataclass
+class OutageReport:
+    """What one outage did: how long each failing call took against the budget."""
+
+    seed: int
+    budget_s: float
+    save_error: str = ""
+    save_s: float = 0.0
+    restore_error: str = ""
+    restore_s: float = 0.0
+    saved_after: bool = False
+
+    def summary(self) -> dict[str, Any]:
+        return {"seed": self.seed, "budget_s": self.budget_s, "save_error": self.save_error,
+                "save_s": round(self.save_s, 2), "restore_error": self.restore_error,
+                "restore_s": round(self.restore_s, 2), "saved_after": self.saved_after}
+
+
+def outage(seed: int = 0, *, budget_s: float = 4.0, use_async: bool = True) -> OutageReport:
+    """The S3 server becomes unreachable for good (every request through the proxy answered 503
+    or reset, except the lease file's, so that the save gets past its lease check and meets the
+    outage in its writes) during a save and a restore: each must fail with our error, and the
+    time each took is recorded (:func:`check_outage` compares it with the retry budget); when
+    the server is back, the same manager saves again.
+
+    Raises:
+        FaultFound: a save or restore succeeded, raised a foreign error, or the same manager
+            could not save after the outage.
+    """
+    from ckptmgr.errors import CkptmgrError
+
+    rep = OutageReport(seed, budget_s)
+    traj = Trajectory()
+    model, opt = build()
+    # Many attempts: the budget, not the count of attempts, must end each failing call.
+    with fast_retries(budget_s, max_attempts=1000), open_root("s3") as root:
+        plant_foreign(root)
+        proxy = ChaosProxy(root.server.endpoint_url, seed=seed, rate=1.0,
+                           kinds=("503", "reset"),
+                           spare=lambda method, path: path.split("?")[0].endswith(LEASE))
+        proxy.enabled = False
+        opts = root.server.storage_options(endpoint_url=proxy.url,
+                                           config_kwargs={"retries": {"max_attempts": 0}})
+        mgr = Root("s3", root.url, opts).manager(read_only=False, max_to_keep=MAX_TO_KEEP)
+        try:
+            train_step(model, opt, 0)
+            mgr.save(0, state(model, opt, 0))
+            train_step(model, opt, 1)
+            proxy.enabled = True
+            t = time.monotonic()
+            try:
+                if use_async:
+                    mgr.save_async(1, state(model, opt, 1))
+                    mgr.wait_until_finished()
+                else:
+                    mgr.save(1, state(model, opt, 1))
+                raise FaultFound(f"seed {seed}: a save with the server gone reported success")
+            except CkptmgrError as e:
+                rep.save_error = type(e).__name__
+            except Exception as e:
+                raise FaultFound(f"seed {seed}: a save with the server gone raised "
+                                 f"{type(e).__name__}, not our error: {e}") from e
+            rep.save_s = time.monotonic() - t
+            t = time.monotonic()
+            try:
+                mgr.restore(0, target())
+                raise FaultFound(f"seed {seed}: a restore with the server gone succeeded")
+            except CkptmgrError as e:
+                rep.restore_error = type(e).__name__
+            except Exception as e:
+                raise FaultFound(f"seed {seed}: a restore with the server gone raised "
+                                 f"{type(e).__name__}, not our error: {e}") from e
+            rep.restore_s = time.monotonic() - t
+            proxy.enabled = False
+            train_step(model, opt, 2)
+            try:
+                mgr.save(2, state(model, opt, 2))
+                rep.saved_after = True
+            except CkptmgrError as e:
+                raise FaultFound(f"seed {seed}: the server is back, but save(2) failed: "
+                                 f"{type(e).__name__}: {e}") from e
+        finally:
+            with contextlib.suppress(Exception):
+                mgr.close()
+            proxy.stop()
+        verify_root(root, traj, f"seed {seed}, after the outage", reported={0, 2})
+    return rep
+
+
+LEASE = ".ckptmgr-lease.json"
+
+
+def check_outage(rep: OutageReport, what: str) -> None:
+    """Raise :class:`FaultFound` if the failing ``what`` ("save" or "restore") of ``rep`` took
+    longer than one retry budget (x1.25, plus a second of slack for the requests in flight):
+    the budget bounds one operation, not each storage call in it (Trust I defect 15)."""
+    took = rep.save_s if what == "save" else rep.restore_s
+    bound = rep.budget_s * 1.25 + 1.0
+    if took > bound:
+        raise FaultFound(f"seed {rep.seed}: with the server gone, the failing {what} took "
+                         f"{took:.1f} s against a retry budget of {rep.budget_s} s per operation "
+                         f"(allowed: {bound:.1f} s)")
+
+
 def _restore_all(mgr: Any, traj: Trajectory, where: str, report: ProxyReport) -> None:
     try:
         mgr.wait_until_finished()
@@ -197,9 +306,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=0.05, help="share of requests given a fault")
     p.add_argument("--kinds", default=",".join(KINDS), help=f"of {','.join(KINDS)}")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--outage", action="store_true",
+                   help="instead: the server gone for good during a save and a restore")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     try:
+        if a.outage:
+            out = outage(a.seed)
+            print(json.dumps(out.summary()))
+            check_outage(out, "save")
+            check_outage(out, "restore")
+            return 0
         rep = proxy_loop(a.saves, a.seed, rate=a.rate, kinds=tuple(a.kinds.split(",")),
                          log=(lambda m: print(m, file=sys.stderr)) if a.verbose else None)
     except FaultFound as e:
