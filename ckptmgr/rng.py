@@ -26,6 +26,7 @@ CUDA devices beyond those saved keep their state; saved devices beyond those pre
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from collections.abc import Collection, Mapping
@@ -47,7 +48,9 @@ def _rank() -> int:
     return 0
 
 
+@functools.cache
 def _numpy() -> Any:
+    """The numpy module, or None; looked up once (a failed import searches the path again)."""
     try:
         import numpy
     except ImportError:  # numpy is optional for our users
@@ -56,11 +59,15 @@ def _numpy() -> Any:
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return bytes(t.cpu().tolist())
+    t = t.cpu().contiguous()
+    np = _numpy()
+    if np is not None:  # ten times faster than the list: state_dict() runs at every save call
+        return bytes(t.numpy().tobytes())
+    return bytes(t.tolist())
 
 
 def _bytes_tensor(b: bytes) -> torch.Tensor:
-    return torch.tensor(list(b), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8)
 
 
 def derived_seeds(rank0_torch_state: bytes, rank: int) -> dict[str, int]:
@@ -103,8 +110,7 @@ class RNGState:
         np = _numpy()
         if np is not None:
             kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-            parts["numpy"] = (str(kind), [int(k) for k in keys], int(pos), int(has_gauss),
-                              float(cached))
+            parts["numpy"] = (str(kind), keys.tolist(), int(pos), int(has_gauss), float(cached))
         if torch.cuda.is_available():
             parts["cuda"] = [_tensor_bytes(s) for s in torch.cuda.get_rng_state_all()]
         return parts
