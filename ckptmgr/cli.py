@@ -334,6 +334,13 @@ def _cmd_export(args: argparse.Namespace, out: _Out) -> int:
         h = tools.export_hf(args.url, step, pos[0], max_shard_size=args.max_shard_size,
                             prefix=args.only, dtype=args.dtype, storage_options=args.options,
                             progress=out.progress)
+        if args.only is None:  # say which tensors the default took (issue 31)
+            if h.prefix is None:
+                out.note(f"no top-level 'model' entry in step {h.step}: exported every tensor")
+            else:
+                out.note(f"exported the '{h.prefix}' entry, named without '{h.prefix}.' "
+                         f"(left out: {', '.join(h.left_out) or 'nothing'}; --only PREFIX "
+                         "picks another entry)")
         if out.json:
             out.document(h.to_json())
         else:

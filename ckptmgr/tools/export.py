@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import secrets
@@ -40,6 +41,9 @@ __all__ = ["HF_INDEX_NAME", "ExportResult", "HfExportResult", "export_hf", "expo
            "parse_size"]
 
 HF_INDEX_NAME = "model.safetensors.index.json"  # the name transformers looks for
+HF_DEFAULT_PREFIX = "model"  # the entry export_hf takes when no prefix is given, if present
+
+log = logging.getLogger("ckptmgr")
 
 _DTYPE_ALIASES = {
     "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "f16": "float16",
@@ -129,6 +133,8 @@ class _TensorSource:
         self.manifest = manifest
         self.locs = _locations(md)
         self.sizes = {f.path: f.size for f in manifest.files}
+        self.prefix: str | None = None  # the prefix the tensors were selected by (_open_step)
+        self.tops = _tensor_tops(md)  # top-level entries holding tensors
 
     def _corrupt(self, path: str, msg: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"step {self.step}: {path}: {msg}", step=self.step,
@@ -252,11 +258,16 @@ def _select(md: Metadata, only: str | None, cast: torch.dtype | None,
         out = cast if (cast is not None and src.is_floating_point) else src
         planned.append(_Planned(key, name, sm, out))
     if not planned:
-        tops = sorted({k.split(".", 1)[0] for k, v in md.state_dict_metadata.items()
-                       if isinstance(v, TensorStorageMetadata)})
+        tops = _tensor_tops(md)
         what = f"under prefix {only!r}" if only is not None else "in this step"
         raise ConfigError(f"no tensors {what}; top-level keys with tensors: {tops}")
     return planned, skipped
+
+
+def _tensor_tops(md: Metadata) -> list[str]:
+    """The top-level entries of a step that hold at least one tensor, sorted."""
+    return sorted({k.split(".", 1)[0] for k, v in md.state_dict_metadata.items()
+                   if isinstance(v, TensorStorageMetadata)})
 
 
 def export_step(url: str, step: int | None, out: str | os.PathLike[str], *,
@@ -340,10 +351,13 @@ def export_step(url: str, step: int | None, out: str | os.PathLike[str], *,
 
 
 def _open_step(url: str, step: int | None, storage_options: Mapping[str, Any] | None,
-               only: str | None, cast: torch.dtype | None,
+               only: str | None, cast: torch.dtype | None, *, default_only: str | None = None,
                ) -> tuple[int, _TensorSource, list[_Planned], list[str]]:
     """Resolve ``step`` under ``url``, read its metadata, select the tensors and check that
-    every file they are read from is there with its manifest size (before writing anything)."""
+    every file they are read from is there with its manifest size (before writing anything).
+
+    ``default_only`` replaces ``only=None`` when the step has tensors under that top-level
+    entry (export_hf's ``model``); otherwise every tensor is selected."""
     storage = open_storage(url, storage_options, writable=False)
     store = StepStore(storage)
     step = store.resolve(step)
@@ -352,8 +366,13 @@ def _open_step(url: str, step: int | None, storage_options: Mapping[str, Any] | 
         raise ConfigError(f"step {step} was written on a {manifest.byteorder}-endian host; "
                           f"this host is {sys.byteorder}-endian")
     md = read_step_metadata(store, step, manifest)
+    if only is None and default_only is not None and default_only in _tensor_tops(md):
+        # transformers reads the model's own names: a training state's optimizer entries
+        # would all be UNEXPECTED keys there (issue 31).
+        only = default_only
     planned, skipped = _select(md, only, cast)
     source = _TensorSource(storage, step, manifest, md)
+    source.prefix = None if only is None else only.strip(".")
     source.check_files((t.key, t.meta) for t in planned)
     return step, source, planned, skipped
 
@@ -397,6 +416,11 @@ class HfExportResult:
         num_tensors: tensors written.
         nbytes: bytes of tensor data written (the index's ``metadata.total_size``).
         skipped: keys left out: Python values, and keys the key map dropped.
+        prefix: the prefix whose keys were exported (named without it), or None when every
+            tensor was: the ``prefix`` given, else ``"model"`` when the step has a top-level
+            ``model`` entry.
+        left_out: without a ``prefix`` given, the other top-level entries holding tensors that
+            were not exported because the ``model`` entry was (e.g. ``("optim",)``).
     """
 
     out_dir: str
@@ -406,12 +430,15 @@ class HfExportResult:
     num_tensors: int
     nbytes: int
     skipped: tuple[str, ...]
+    prefix: str | None = None
+    left_out: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return {"out_dir": self.out_dir, "index": self.index, "shards": list(self.shards),
                 "format": "hf", "step": self.step, "num_tensors": self.num_tensors,
-                "bytes": self.nbytes, "skipped": list(self.skipped)}
+                "bytes": self.nbytes, "skipped": list(self.skipped), "prefix": self.prefix,
+                "left_out": list(self.left_out)}
 
 
 def _check_unique_names(planned: list[_Planned], hint: str) -> None:
@@ -485,7 +512,10 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
         max_shard_size: the largest shard, in bytes or as ``"5GB"``/``"500MiB"`` (a tensor larger
             than this gets a shard of its own).
         prefix: keep only keys under this prefix and drop it (``"model."`` turns
-            ``model.layers.0.weight`` into ``layers.0.weight``).
+            ``model.layers.0.weight`` into ``layers.0.weight``). None: the step's top-level
+            ``model`` entry when it has one (a training state's optimizer is not part of a
+            Hugging Face model; the choice is logged and returned as ``prefix``), else every
+            tensor.
         key_map: called with each output name (after ``prefix``); returns the name to write, or
             None to leave the tensor out.
         dtype: cast floating-point tensors (``"bf16"``, ``"fp16"``, ``"fp32"`` or a torch dtype).
@@ -506,7 +536,18 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ConfigError(f"the output {out_dir!r} is a file; export --format hf writes a "
                           "directory")
-    step, source, planned, skipped = _open_step(url, step, storage_options, prefix, cast)
+    step, source, planned, skipped = _open_step(url, step, storage_options, prefix, cast,
+                                                default_only=HF_DEFAULT_PREFIX)
+    left_out: tuple[str, ...] = ()
+    if prefix is None:
+        if source.prefix is None:
+            log.info("export_hf: step %d has no top-level %r entry: exporting every tensor",
+                     step, HF_DEFAULT_PREFIX)
+        else:
+            left_out = tuple(t for t in source.tops if t != source.prefix)
+            log.info("export_hf: exporting step %d's %r entry, named without %r (left out: %s); "
+                     "pass prefix= to choose another entry", step, source.prefix,
+                     f"{source.prefix}.", ", ".join(left_out) or "nothing")
     planned, dropped = _renamed(planned, key_map)
     _check_unique_names(planned, "change the prefix or the key map")
     shards = _shard(planned, limit)
@@ -564,7 +605,7 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
                                f"as it was): {e.strerror or e}") from e
         raise
     return HfExportResult(out_dir, os.path.join(out_dir, HF_INDEX_NAME), tuple(names), step,
-                          len(planned), total, tuple(skipped + dropped))
+                          len(planned), total, tuple(skipped + dropped), source.prefix, left_out)
 
 
 def _create_temp(dirpath: str, name: str) -> tuple[str, BinaryIO]:
