@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _faulty import FaultyFS, Gate, install, reset
 
 L = pytest.importorskip("lightning", reason="lightning is not installed (pip install "
                                             "'ckptmgr[lightning]')")
@@ -18,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import ckptmgr  # noqa: E402
-from ckptmgr.integrations.lightning import CkptmgrCheckpointIO  # noqa: E402
+from ckptmgr.integrations.lightning import DATA_DIR, CkptmgrCheckpointIO  # noqa: E402
 
 pytestmark = [
     # Lightning's own warnings, not ours: its pytree use under torch 2.13, and its advice on
@@ -54,8 +57,8 @@ def _data() -> DataLoader[Any]:
 
 
 def _fit(root: Path, max_steps: int, *, resume: bool, io: CkptmgrCheckpointIO | None = None,
-         ) -> tuple[Tiny, Any]:
-    torch.manual_seed(1)
+         seed: int = 1) -> tuple[Tiny, Any]:
+    torch.manual_seed(seed)
     model = Tiny()
     ckpt = ModelCheckpoint(dirpath=str(root), every_n_train_steps=4, save_last=True,
                            save_top_k=-1)
@@ -64,6 +67,11 @@ def _fit(root: Path, max_steps: int, *, resume: bool, io: CkptmgrCheckpointIO | 
                         plugins=[io or CkptmgrCheckpointIO(max_to_keep=3)], callbacks=[ckpt])
     trainer.fit(model, _data(), ckpt_path="last" if resume else None)
     return model, trainer
+
+
+def _runs(root: Path) -> list[Path]:
+    """The run roots the plugin made under ``root``."""
+    return sorted((root / DATA_DIR).iterdir()) if (root / DATA_DIR).is_dir() else []
 
 
 def _state(model: Tiny, trainer: Any) -> dict[str, torch.Tensor]:
@@ -81,12 +89,15 @@ def test_fit_stop_resume_equals_uninterrupted(tmp_path: Path) -> None:
 
     root = tmp_path / "split"
     _fit(root, 9, resume=False)  # stops at step 9: steps 4 and 8 are saved, last.ckpt is 8
-    with ckptmgr.CheckpointManager(str(root), 1, read_only=True) as mgr:
+    (run1,) = _runs(root)
+    with ckptmgr.CheckpointManager(str(run1), 1, read_only=True) as mgr:
         assert mgr.all_steps() == [4, 8]
         assert "lightning" in mgr.step_info(8).metadata
+    # Lightning's names only beside each other: our steps, lease and staging are in .ckptmgr/
     names = sorted(os.listdir(root))
-    assert names == ["4", "8", "epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
-    assert json.loads((root / "last.ckpt").read_text()) == {"ckptmgr_step": 8}
+    assert names == [DATA_DIR, "epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    assert json.loads((root / "last.ckpt").read_text()) == {"ckptmgr_step": 8,
+                                                             "ckptmgr_run": run1.name}
 
     model, trainer = _fit(root, 14, resume=True)
     assert trainer.global_step == 14
@@ -94,8 +105,9 @@ def test_fit_stop_resume_equals_uninterrupted(tmp_path: Path) -> None:
     assert sorted(got) == sorted(want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
-    with ckptmgr.CheckpointManager(str(root), 1, read_only=True) as mgr:
-        assert mgr.all_steps() == [4, 8, 12]  # steps 9..14 trained again from step 8
+    run2 = next(r for r in _runs(root) if r != run1)  # the resumed run saves into its own root
+    with ckptmgr.CheckpointManager(str(run2), 1, read_only=True) as mgr:
+        assert mgr.all_steps() == [12]  # steps 9..14 trained again from step 8
 
 
 def test_load_checkpoint_directly_and_remove_keeps_steps(tmp_path: Path) -> None:
@@ -104,10 +116,112 @@ def test_load_checkpoint_directly_and_remove_keeps_steps(tmp_path: Path) -> None
     ckpt = io.load_checkpoint(str(tmp_path / "last.ckpt"))
     assert ckpt["global_step"] == 4 and ckpt["hyper_parameters"]["lr"] == 0.05
     assert set(ckpt["state_dict"]) == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
-    step_dir = io.load_checkpoint(str(tmp_path / "4"))  # a step directory works too
+    (run,) = _runs(tmp_path)
+    step_dir = io.load_checkpoint(str(run / "4"))  # a step directory works too
     assert torch.equal(step_dir["state_dict"]["net.0.weight"], ckpt["state_dict"]["net.0.weight"])
     io.remove_checkpoint(str(tmp_path / "last.ckpt"))
-    assert not (tmp_path / "last.ckpt").exists() and (tmp_path / "4").is_dir()
+    assert not (tmp_path / "last.ckpt").exists() and (run / "4").is_dir()
     with pytest.raises(ckptmgr.CheckpointNotFoundError):
         io.load_checkpoint(str(tmp_path / "last.ckpt"))
     io.teardown()
+
+
+# ------------------------------------------------------------------ issue 31: two bugs, layout
+
+
+def _weights(ckpt: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in ckpt["state_dict"].items()}
+
+
+def test_second_run_into_the_same_directory_saves_its_own_weights(tmp_path: Path) -> None:
+    first, _ = _fit(tmp_path, 4, resume=False, seed=1)
+    second, trainer = _fit(tmp_path, 4, resume=False, seed=2)  # a new run, not a resume
+    want = {k: v.detach() for k, v in second.state_dict().items()}
+    assert not torch.equal(want["net.0.weight"], first.state_dict()["net.0.weight"])
+    cb = trainer.checkpoint_callback
+    io = CkptmgrCheckpointIO()
+    try:
+        # Lightning versions the names it finds taken, as with its own I/O; whatever names it
+        # chose, each holds the second run's weights, never the first run's step 4.
+        paths = {cb.last_model_path, cb.best_model_path}
+        assert len(paths) == 2 and all(os.path.exists(p) for p in paths)
+        for path in paths:
+            got = _weights(io.load_checkpoint(path))
+            for k, v in want.items():
+                assert torch.equal(got[k], v), (path, k)
+        first_ckpt = io.load_checkpoint(str(tmp_path / "epoch=0-step=4.ckpt"))
+        assert torch.equal(first_ckpt["state_dict"]["net.0.weight"],
+                           first.state_dict()["net.0.weight"])  # the first run's, untouched
+    finally:
+        io.teardown()
+    assert len(_runs(tmp_path)) == 2
+    assert all(n == DATA_DIR or n.endswith(".ckpt") for n in os.listdir(tmp_path))
+
+
+@pytest.fixture
+def faulty() -> Iterator[tuple[type[FaultyFS], str]]:
+    fs_cls = install()
+    url = f"faulty://lightning-tests/{uuid.uuid4().hex}"
+    yield fs_cls, url
+    reset()
+    fs = fs_cls()
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+
+
+def test_async_save_writes_the_pointer_before_returning(
+        faulty: tuple[type[FaultyFS], str]) -> None:
+    fs_cls, url = faulty
+    gate = Gate()
+    fs_cls.gate = gate  # holds the step's data files: the save is in flight, not committed
+    io = CkptmgrCheckpointIO(async_save=True)
+    ckpt = {"global_step": 3, "epoch": 0, "state_dict": {"w": torch.arange(4.0)}}
+    try:
+        io.save_checkpoint(ckpt, f"{url}/epoch=0-step=3.ckpt")
+        gate.wait_arrived()
+        fs = fs_cls()
+        # Lightning checks the file right after the call (versioning, save_last): it is there
+        assert fs.exists(f"{url}/epoch=0-step=3.ckpt")
+        assert io.manager(url).all_steps() == []  # ...while the step is still being written
+        # and our files are not beside it
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(url, detail=False)) == \
+            [DATA_DIR, "epoch=0-step=3.ckpt"]
+        gate.open()
+        got = io.load_checkpoint(f"{url}/epoch=0-step=3.ckpt")  # waits for the commit
+        assert torch.equal(got["state_dict"]["w"], torch.arange(4.0))
+    finally:
+        gate.open()
+        io.teardown()
+
+
+def test_retention_removes_pointers_of_deleted_steps(tmp_path: Path) -> None:
+    io = CkptmgrCheckpointIO(async_save=False, max_to_keep=1)
+    _fit(tmp_path, 9, resume=False, io=io)  # steps 4 and 8; retention keeps 8
+    assert sorted(os.listdir(tmp_path)) == [DATA_DIR, "epoch=1-step=8.ckpt", "last.ckpt"]
+    (run,) = _runs(tmp_path)
+    # a pointer whose step is gone (copied from elsewhere, or written by another tool) says so
+    (tmp_path / "old.ckpt").write_text(json.dumps({"ckptmgr_step": 4, "ckptmgr_run": run.name}))
+    io2 = CkptmgrCheckpointIO()
+    try:
+        with pytest.raises(ckptmgr.CheckpointNotFoundError, match="deleted by ckptmgr's retention"):
+            io2.load_checkpoint(str(tmp_path / "old.ckpt"))
+        (tmp_path / "evil.ckpt").write_text(json.dumps({"ckptmgr_step": 4,
+                                                        "ckptmgr_run": "../../elsewhere"}))
+        with pytest.raises(ckptmgr.ConfigError, match="not a ckptmgr pointer"):
+            io2.load_checkpoint(str(tmp_path / "evil.ckpt"))
+    finally:
+        io2.teardown()
+
+
+def test_same_step_saved_again_with_changed_weights_is_saved_again(tmp_path: Path) -> None:
+    io = CkptmgrCheckpointIO(async_save=False)
+    w = torch.zeros(3)
+    try:
+        io.save_checkpoint({"global_step": 5, "state_dict": {"w": w}}, str(tmp_path / "a.ckpt"))
+        io.save_checkpoint({"global_step": 5, "state_dict": {"w": w}}, str(tmp_path / "b.ckpt"))
+        w.add_(1)  # e.g. a manual trainer.save_checkpoint after editing the weights
+        io.save_checkpoint({"global_step": 5, "state_dict": {"w": w}}, str(tmp_path / "c.ckpt"))
+        got = io.load_checkpoint(str(tmp_path / "c.ckpt"))
+        assert torch.equal(got["state_dict"]["w"], torch.ones(3))
+    finally:
+        io.teardown()

@@ -1,5 +1,5 @@
-"""``CkptmgrCheckpointIO``: Lightning's checkpoint I/O through ckptmgr (``pip install
-"ckptmgr[lightning]"``)::
+"""``CkptmgrCheckpointIO``: Lightning's checkpoint I/O through ckptmgr (needs
+``lightning``: ``pip install lightning``, or ``pip install -e ".[lightning]"`` in the clone)::
 
     trainer = lightning.Trainer(
         plugins=[CkptmgrCheckpointIO(max_to_keep=3)],
@@ -8,16 +8,26 @@
     trainer.fit(model, ckpt_path="last")
 
 How Lightning's file paths map onto steps (docs/integrations.md):
-- a path's directory is the root; the checkpoint's ``global_step`` is the step. Saving
-  ``ROOT/epoch=0-step=500.ckpt`` saves step 500 under ``ROOT`` (``ROOT/500/``) with ckptmgr's
-  async queue, retention and checksums;
-- once the step has committed, a small JSON pointer file is written at the path itself
-  (``{"ckptmgr_step": 500}``), so Lightning's own file checks, ``save_last`` and
-  ``fit(ckpt_path="last")`` find it. ``last.ckpt`` saved at the same step points to the same step:
-  nothing is written twice;
-- loading a path reads its pointer (or, for a step directory ``ROOT/500``, that step);
+- a path's directory ``DIR`` holds Lightning's ``.ckpt`` names only; the steps live in a hidden
+  directory beside them, one root per run: ``DIR/.ckptmgr/RUN/`` (``RUN`` is the UTC time the
+  plugin first saved into ``DIR`` plus a random suffix; its lease file, step directories and
+  ``.tmp-*`` staging stay in there). The checkpoint's ``global_step`` is the step: saving
+  ``DIR/epoch=0-step=500.ckpt`` saves step 500 under ``DIR/.ckptmgr/RUN/`` with ckptmgr's async
+  queue, retention and checksums;
+- a new run (a new plugin, or one used again after ``teardown``) never reuses another run's step:
+  a second run into the same ``DIR`` saves its own step 500 in its own root, even while the first
+  run's step 500 is there (Lightning then names the file ``...-v1.ckpt``, as with its own I/O);
+- a small JSON pointer file is written at the path itself before ``save_checkpoint`` returns
+  (``{"ckptmgr_step": 500, "ckptmgr_run": RUN}``), so Lightning's file checks, versioning,
+  ``save_last`` and ``fit(ckpt_path="last")`` see it at once, async save or not. ``last.ckpt``
+  saved at the same step, with no tensor changed in place or replaced since, points to the same
+  step: nothing is written twice; a tensor changed at the same step saves the step again;
+- loading a path reads its pointer (or, for a step directory ``DIR/.ckptmgr/RUN/500``, that
+  step), waiting for this plugin's save in flight; a pointer whose step is not there (deleted by
+  retention, or its save never committed) raises ``CheckpointNotFoundError`` saying so;
 - removing a path (``save_top_k``) removes the pointer only: steps are deleted by ckptmgr's
-  retention (``max_to_keep`` and the other retention arguments), never by Lightning.
+  retention (``max_to_keep`` and the other retention arguments, per run), never by Lightning;
+  when retention deletes a step, the pointers this plugin wrote to it are removed too.
 
 Single-process strategies (CPU, one GPU) only: Lightning calls the plugin's save on global rank
 zero alone, while a ckptmgr save is collective over every rank.
@@ -27,7 +37,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import secrets
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,11 +54,14 @@ from ckptmgr.layout import parse_step_name
 from ckptmgr.manager import CheckpointManager
 from ckptmgr.storage import open_storage
 
-__all__ = ["POINTER_KEY", "CkptmgrCheckpointIO"]
+__all__ = ["DATA_DIR", "POINTER_KEY", "RUN_KEY", "CkptmgrCheckpointIO"]
 
 log = logging.getLogger("ckptmgr")
 
 POINTER_KEY = "ckptmgr_step"
+RUN_KEY = "ckptmgr_run"  # the run root under DATA_DIR (absent in pointers of plugin 0.1 roots)
+DATA_DIR = ".ckptmgr"  # hidden beside the .ckpt files: one root per run under it
+_RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MAX_POINTER = 4096
 
 
@@ -114,49 +130,99 @@ def _rebuild(skeleton: Any, flat: Mapping[str, Any]) -> Any:
     return flat[skeleton.get("tensor", skeleton.get("value"))]
 
 
-class _Pointers(CheckpointListener):
-    """Writes each path's pointer file once its step has committed (on the writer thread for
-    async saves)."""
+def _run_name() -> str:
+    """A new run's root name: sortable by start time, unique by its random suffix."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + secrets.token_hex(4)
 
-    def __init__(self, storage: Any) -> None:
-        self.storage = storage
-        self.pending: dict[int, list[str]] = {}
-        self.queued: set[int] = set()  # steps saved (or queued) through this plugin
-        self.committed: set[int] = set()
+
+def _fingerprint(flat: Mapping[str, Any]) -> tuple[Any, ...]:
+    """Where each tensor lives and how often it was changed in place: equal for two saves only
+    if no tensor was replaced or modified in between (Python values are not compared: they
+    hold the callbacks' bookkeeping, which differs between ``last.ckpt`` and the top-k save of
+    the same step)."""
+    out: list[Any] = []
+    for key, value in sorted(flat.items()):
+        if isinstance(value, torch.Tensor):
+            try:
+                where: Any = (value.data_ptr(), value.device)
+            except (RuntimeError, NotImplementedError):  # tensors without storage
+                where = id(value)
+            out.append((key, where, value._version, tuple(value.shape), value.dtype))
+    return tuple(out)
+
+
+class _Run(CheckpointListener):
+    """One run's root under ``DIR/.ckptmgr/`` and the pointer files this plugin wrote in ``DIR``.
+
+    ``on_save_end`` runs on the writer thread for async saves; everything else on the caller's.
+    """
+
+    def __init__(self, dirpath: str, name: str, mgr: CheckpointManager, storage: Any) -> None:
+        self.dirpath = dirpath
+        self.name = name
+        self.mgr = mgr
+        self.storage = storage  # DIR's, for the pointer files
         self.lock = threading.Lock()
+        self.saved: dict[int, tuple[Any, ...]] = {}  # step -> fingerprint of the state saved
+        self.committed: set[int] = set()
+        self.names: dict[str, int] = {}  # pointer file -> the step it points to
 
-    def add(self, step: int, name: str) -> None:
-        """Point ``name`` at ``step`` now if it has committed, else when it does."""
-        with self.lock:
-            if step not in self.committed:
-                self.pending.setdefault(step, []).append(name)
-                return
-        self.write(step, name)
+    def pointer(self, step: int) -> bytes:
+        return json.dumps({POINTER_KEY: step, RUN_KEY: self.name}).encode("utf-8")
 
-    def write(self, step: int, name: str) -> None:
-        self.storage.write_bytes(name, json.dumps({POINTER_KEY: step}).encode("utf-8"))
+    def point(self, step: int, name: str) -> None:
+        """Write the pointer ``name`` -> ``step`` now (the step may still be in flight)."""
+        self.storage.write_bytes(name, self.pointer(step))
+        self.names[name] = step
 
     def on_save_end(self, stats: SaveStats) -> None:
         with self.lock:
             self.committed.add(stats.step)
-            names = self.pending.pop(stats.step, [])
-        for name in names:
-            self.write(stats.step, name)
+
+    def drop_deleted(self) -> None:
+        """Remove the pointers to steps that committed and are gone since (retention)."""
+        with self.lock:
+            gone = self.committed - set(self.mgr.all_steps())
+            self.committed -= gone
+        if not gone:
+            return
+        for step in gone:
+            self.saved.pop(step, None)
+        for name, step in list(self.names.items()):
+            if step not in gone:
+                continue
+            del self.names[name]
+            try:  # only if it still points here: Lightning may have written another since
+                want = self.pointer(step)
+                if self.storage.exists(name) and self.storage.size(name) == len(want) and \
+                        self.storage.read_bytes(name, 0, len(want)) == want:
+                    self.storage.remove(name)
+                    log.info("lightning: removed %s/%s: step %d of run %s was deleted by "
+                             "retention", self.dirpath, name, step, self.name)
+            except OSError as e:  # a pointer left behind must not fail the training step
+                log.warning("lightning: could not remove %s/%s (step %d deleted by retention): "
+                            "%s", self.dirpath, name, step, e)
 
 
 class CkptmgrCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves through :class:`~ckptmgr.CheckpointManager`.
 
+    Steps go into ``DIR/.ckptmgr/RUN/`` (a new root per run; see the module docstring), pointer
+    files at Lightning's paths.
+
     Args:
-        async_save: save in the background (the state is captured before the call returns).
-        max_to_keep: retention, as the manager's (None keeps every step).
+        async_save: save in the background (the state is captured, and the pointer file written,
+            before the call returns).
+        max_to_keep: retention of each run's root, as the manager's (None keeps every step).
         verify: check sizes and checksums when loading.
         storage_options: fsspec options of the root (endpoint, credentials, ...).
         trusted: allow checkpoint values that need pickle (e.g. custom hyper-parameter objects);
             leave False unless you trust whoever writes the root.
         **manager_kwargs: any other :class:`~ckptmgr.CheckpointManager` keyword (``keep_period``,
-            ``overwrite``, ...). ``chkpt_on_preemption`` defaults to False: Lightning calls save
-            only when its callbacks decide, so it handles preemption itself.
+            ...). ``chkpt_on_preemption`` and ``save_on_close`` default to False: Lightning
+            decides when to save, and handles preemption itself. ``overwrite`` defaults to True:
+            only this run writes its root, and a step saved again with changed tensors replaces
+            the earlier save of that step.
     """
 
     def __init__(self, *, async_save: bool = True, max_to_keep: int | None = None,
@@ -167,64 +233,101 @@ class CkptmgrCheckpointIO(CheckpointIO):
         self.trusted = trusted
         self.storage_options = dict(storage_options or {})
         self._kwargs: dict[str, Any] = {"max_to_keep": max_to_keep, "verify": verify,
-                                        "chkpt_on_preemption": False, **manager_kwargs}
-        self._managers: dict[str, tuple[CheckpointManager, _Pointers]] = {}
+                                        "chkpt_on_preemption": False, "save_on_close": False,
+                                        "overwrite": True, **manager_kwargs}
+        self._runs: dict[str, _Run] = {}  # DIR -> this run's root there
+        self._readers: dict[str, CheckpointManager] = {}  # other roots, read-only
 
-    def manager(self, root: str) -> CheckpointManager:
-        """The manager of ``root`` (created at first use; closed by ``teardown``)."""
-        return self._open(root)[0]
+    def manager(self, dirpath: str) -> CheckpointManager:
+        """The manager of this run's root for Lightning's directory ``dirpath`` (created at
+        first use, under ``dirpath/.ckptmgr/``; closed by ``teardown``)."""
+        return self._run(str(dirpath).rstrip("/") or "/").mgr
 
-    def _open(self, root: str) -> tuple[CheckpointManager, _Pointers]:
-        if root not in self._managers:
+    def _run(self, dirpath: str) -> _Run:
+        run = self._runs.get(dirpath)
+        if run is None:
+            name = _run_name()
+            root = f"{dirpath.rstrip('/')}/{DATA_DIR}/{name}"
             mgr = CheckpointManager(root, 1, storage_options=self.storage_options or None,
                                     **self._kwargs)
-            pointers = _Pointers(open_storage(root, self.storage_options or None))
-            mgr.add_listener(pointers)
-            self._managers[root] = (mgr, pointers)
-        return self._managers[root]
+            run = _Run(dirpath, name, mgr, open_storage(dirpath, self.storage_options or None))
+            mgr.add_listener(run)
+            self._runs[dirpath] = run
+            log.info("lightning: this run saves the steps of %s under %s", dirpath, root)
+        return run
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any | None = None) -> None:
-        """Save ``checkpoint`` as step ``checkpoint["global_step"]`` under the path's directory;
-        the pointer at ``path`` appears when the step has committed."""
+        """Save ``checkpoint`` as step ``checkpoint["global_step"]`` of this run's root for the
+        path's directory; the pointer file at ``path`` exists when this returns."""
         if storage_options is not None:
             raise TypeError("CkptmgrCheckpointIO takes storage_options in its constructor")
-        root, name = _split(path)
+        dirpath, name = _split(path)
         step = int(checkpoint["global_step"])
-        mgr, pointers = self._open(root)
-        if step in pointers.queued or step in mgr.all_steps():
-            # e.g. last.ckpt after epoch=..-step=N.ckpt: the same step, saved once
-            if step not in pointers.queued:
-                pointers.committed.add(step)
-            pointers.add(step, name)
-            return
+        run = self._run(dirpath)
         flat: dict[str, Any] = {}
         skeleton = _flatten(checkpoint, "", flat)
-        pointers.queued.add(step)
-        pointers.add(step, name)
-        save = mgr.save_async if self.async_save else mgr.save
-        save(step, flat, force=True, metadata={"lightning": skeleton}, trusted=self.trusted)
+        fingerprint = _fingerprint(flat)
+        # e.g. last.ckpt after epoch=..-step=N.ckpt: the same tensors at the same step, saved
+        # once. Only this run's steps count: another run's step N is never reused.
+        if run.saved.get(step) != fingerprint:
+            save = run.mgr.save_async if self.async_save else run.mgr.save
+            save(step, flat, force=True, metadata={"lightning": skeleton}, trusted=self.trusted)
+            run.saved[step] = fingerprint
+        run.point(step, name)
+        run.drop_deleted()
+
+    def _reader(self, root: str) -> CheckpointManager:
+        """The manager to read ``root`` with: this run's (after its save in flight), or a
+        read-only one (another run's root; no lease taken)."""
+        for run in self._runs.values():
+            if run.mgr.path.rstrip("/") == root.rstrip("/") or \
+                    f"{run.dirpath.rstrip('/')}/{DATA_DIR}/{run.name}" == root:
+                run.mgr.join()
+                return run.mgr
+        if root not in self._readers:
+            self._readers[root] = CheckpointManager(
+                root, 1, read_only=True, storage_options=self.storage_options or None,
+                verify=self._kwargs["verify"], chkpt_on_preemption=False, save_on_close=False)
+        return self._readers[root]
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """The checkpoint the path points to (CPU tensors; Lightning moves them)."""
-        root, name = _split(path)
-        mgr = self.manager(root)
-        mgr.join()
+        """The checkpoint the path points to (CPU tensors; Lightning moves them).
+
+        Raises:
+            CheckpointNotFoundError: no file at ``path``, or its step is not there (deleted by
+                retention, or its save never committed).
+            ConfigError: ``path`` is not a pointer file of this plugin.
+        """
+        dirpath, name = _split(path)
         step = parse_step_name(name)
+        root = dirpath  # a step directory DIR/.ckptmgr/RUN/500: its root is DIR/.ckptmgr/RUN
         if step is None:
-            storage = open_storage(root, self.storage_options or None, writable=False)
+            storage = open_storage(dirpath, self.storage_options or None, writable=False)
             if not storage.exists(name):
-                raise CheckpointNotFoundError(
-                    f"{path} does not exist (steps under {mgr.path}: {mgr.all_steps()[-5:]})")
+                raise CheckpointNotFoundError(f"{path} does not exist")
             try:
                 size = storage.size(name)
                 if size > _MAX_POINTER:
                     raise ValueError(f"{size} bytes")
-                step = int(json.loads(storage.read_bytes(name, 0, size))[POINTER_KEY])
-            except (ValueError, KeyError, TypeError) as e:
+                doc = json.loads(storage.read_bytes(name, 0, size))
+                step = int(doc[POINTER_KEY])
+                run_name = doc.get(RUN_KEY)
+                if run_name is not None and (not isinstance(run_name, str)
+                                             or _RUN_NAME.fullmatch(run_name) is None):
+                    raise ValueError(f"run name {run_name!r}")
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ConfigError(f"{path} is not a ckptmgr pointer file (a checkpoint saved "
                                   "without CkptmgrCheckpointIO?)") from e
+            if run_name is not None:  # else: a root of the plugin before runs, DIR itself
+                root = f"{dirpath.rstrip('/')}/{DATA_DIR}/{run_name}"
+        mgr = self._reader(root)
+        if step not in mgr.all_steps():
+            raise CheckpointNotFoundError(
+                f"{path} points to step {step} under {root}, which is not there: deleted by "
+                f"ckptmgr's retention (max_to_keep), or its save never committed; steps "
+                f"there: {mgr.all_steps()[-5:]}")
         skeleton = mgr.step_info(step).metadata.get("lightning")
         if skeleton is None:
             raise ConfigError(f"step {step} of {mgr.path} was not saved by CkptmgrCheckpointIO")
@@ -235,13 +338,23 @@ class CkptmgrCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer at ``path``; the step stays until ckptmgr's retention drops it."""
-        root, name = _split(path)
-        storage = open_storage(root, self.storage_options or None)
+        dirpath, name = _split(path)
+        storage = open_storage(dirpath, self.storage_options or None)
         if storage.exists(name):
             storage.remove(name)
+        run = self._runs.get(dirpath)
+        if run is not None:
+            run.names.pop(name, None)
 
     def teardown(self) -> None:
-        """Wait for the save in flight (and write its pointers), then close the managers."""
-        managers, self._managers = self._managers, {}
-        for mgr, _ in managers.values():
-            mgr.close()
+        """Wait for the save in flight, remove pointers to steps retention deleted, then close
+        the managers. The next save starts a new run (a new root)."""
+        runs, self._runs = self._runs, {}
+        readers, self._readers = self._readers, {}
+        try:
+            for run in runs.values():
+                run.mgr.close()
+                run.drop_deleted()
+        finally:
+            for mgr in readers.values():
+                mgr.close()
