@@ -298,3 +298,16 @@ def test_state_dict_is_keyed_by_rank_and_holds_no_tensor() -> None:
     cuda = ["rank0.cuda"] if torch.cuda.is_available() else []
     assert sorted(_iter_flat(sd)) == [*cuda, "rank0.numpy", "rank0.python", "rank0.torch"]
     assert not any(isinstance(v, torch.Tensor) for v in sd["rank0"].values())
+
+
+def test_restored_from_the_local_tier(tmp_path: Path) -> None:
+    _seed_all(11)
+    with ckptmgr.CheckpointManager(str(tmp_path / "root"), save_interval=10,
+                                   local_path=str(tmp_path / "local"), local_interval=1,
+                                   save_on_close=False) as mgr:
+        assert mgr.save(1, {"rng": RNGState()})
+        assert not (tmp_path / "root" / "1").exists()  # on the local tier only
+        expected = _draws()
+        _seed_all(12)
+        mgr.restore(1, {"rng": RNGState()})
+        assert _draws() == expected
