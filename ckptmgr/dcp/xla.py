@@ -45,7 +45,8 @@ def _torch_xla() -> Any:
     except ImportError as e:  # pragma: no cover - only without torch_xla
         raise BackendNotInstalledError(
             "the state holds XLA tensors but torch_xla is not importable: "
-            "pip install 'ckptmgr[xla]' (torch_xla must match your torch version)") from e
+            "pip install torch_xla, the release matching your torch (torch_xla 2.9.0 for "
+            "torch 2.9.0)") from e
     return torch_xla
 
 

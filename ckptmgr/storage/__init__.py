@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckptmgr.errors import BackendNotInstalledError, ConfigError, StorageError
-from ckptmgr.storage._retry import retry_budget
+from ckptmgr.storage._retry import exception_chain, retry_budget, status_and_code
 from ckptmgr.storage.base import (
     AtomicRename,
     RangeReader,
@@ -44,13 +44,39 @@ __all__ = [
     "VectoredWriter",
     "is_not_found",
     "is_url_supported",
+    "lacks_credentials",
     "open_storage",
     "redact_url",
     "retry_budget",
     "split_scheme",
 ]
 
-_EXTRAS = {"gs": "gcs", "gcs": "gcs", "s3": "s3", "s3a": "s3"}
+# The fsspec backend of each bucket scheme and the extra of our pyproject that installs it.
+# ckptmgr is installed from a clone, not a registry: an error names the backend package (which
+# is on PyPI) and the extra only as an editable install of the clone.
+_BACKENDS = {"gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3"),
+             "s3a": ("s3fs", "s3")}
+
+
+def lacks_credentials(e: BaseException) -> bool:
+    """Whether ``e`` (or an error in its chain) says the store's client found no credentials
+    (botocore's ``NoCredentialsError``) or the store refused an unauthenticated caller (HTTP 401,
+    GCS's "Anonymous caller"): the fix is to pass credentials, not to retry."""
+    for c in exception_chain(e):
+        if type(c).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+            return True
+        status, _ = status_and_code(c)
+        if status == 401 or "Anonymous caller" in str(c):
+            return True
+    return False
+
+
+def _install_hint(scheme: str, error: str) -> str:
+    backend = _BACKENDS.get(scheme)
+    if backend is None:
+        return f"install the package: {error}"
+    package, extra = backend
+    return f'pip install {package} (or, in a clone of ckptmgr: pip install -e ".[{extra}]")'
 
 
 ClientConfig = dict[str, Any]
@@ -206,7 +232,8 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *,
         storage = LocalStorage(rest, display_url=shown)
         if os.path.exists(storage.root) and not os.path.isdir(storage.root):
             raise ConfigError(
-                f"path {shown!r} is an existing file; a checkpoint root must be a directory")
+                f"path {shown!r} is an existing file; a checkpoint root must be a directory: "
+                "give the directory that holds (or will hold) the step directories")
         if writable:
             _check_local_writable(storage.root, shown)
         return storage
@@ -219,8 +246,7 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *,
     try:
         fsspec.get_filesystem_class(scheme)
     except ImportError as e:
-        extra = _EXTRAS.get(scheme)
-        hint = f"pip install 'ckptmgr[{extra}]'" if extra else f"install the package: {e}"
+        hint = _install_hint(scheme, str(e))
         raise BackendNotInstalledError(
             f"no fsspec backend installed for {scheme}:// ({shown}); {hint}") from e
     # Credentials (options, URL user:password@, environment) are registered for redaction; an
@@ -231,8 +257,7 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *,
     try:
         fs, root = fsspec.core.url_to_fs(url, **opts)
     except ImportError as e:
-        extra = _EXTRAS.get(scheme)
-        hint = f"pip install 'ckptmgr[{extra}]'" if extra else str(e)
+        hint = _install_hint(scheme, str(e))
         raise BackendNotInstalledError(
             f"no fsspec backend installed for {scheme}:// ({shown}); {hint}") from e
     except Exception as e:
@@ -244,7 +269,8 @@ def open_storage(url: str, storage_options: Mapping[str, Any] | None = None, *,
     try:
         if fs.isfile(root):
             raise ConfigError(
-                f"path {shown!r} is an existing file; a checkpoint root must be a directory")
+                f"path {shown!r} is an existing file; a checkpoint root must be a directory: "
+                "give the directory that holds (or will hold) the step directories")
     except ConfigError:
         raise
     except Exception:

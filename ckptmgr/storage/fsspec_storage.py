@@ -668,7 +668,7 @@ class FsspecStorage:
                     return False
                 return True
         # Not retried on top of the client's own retries: this call is the constructor's budget.
-        if not self._call("checking the bucket of", "", _head, retry=False):
+        if not self._call("checking the bucket", "", _head, retry=False):
             raise ConfigError(f"bucket {bucket!r} of {self.url!r} does not exist; create it "
                               "first (ckptmgr never creates buckets)")
 

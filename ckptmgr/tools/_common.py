@@ -12,18 +12,22 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from torch.distributed.checkpoint.metadata import Metadata
-
-from ckptmgr.dcp import ItemLocation
 from ckptmgr.errors import (
     StorageError,
 )
 from ckptmgr.layout import join
 from ckptmgr.storage import Storage, is_not_found
 from ckptmgr.tools.listing import format_bytes as format_bytes  # re-exported
+
+# torch (and ckptmgr.dcp, which imports it) only where tensors are handled: ``ckptmgr cp`` and
+# ``prune`` use this module and start without importing torch.
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from ckptmgr.dcp import ItemLocation
 
 _CHUNK = 16 * 1024 * 1024  # read buffer of verify and copy
 
@@ -92,6 +96,8 @@ def _file_sizes(storage: Storage, step_dir: str, paths: Iterable[str]) -> dict[s
 
 
 def _locations(md: Metadata) -> dict[tuple[str, tuple[int, ...] | None], ItemLocation]:
+    from ckptmgr.dcp import ItemLocation
+
     out: dict[tuple[str, tuple[int, ...] | None], ItemLocation] = {}
     for idx, loc in (md.storage_data or {}).items():
         if isinstance(loc, ItemLocation):
@@ -109,6 +115,8 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _element_size(dtype: torch.dtype) -> int:
+    import torch
+
     return torch.empty((), dtype=dtype).element_size()
 
 

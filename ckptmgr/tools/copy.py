@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptmgr.dcp import Hasher
+from ckptmgr._checksum import Hasher
 from ckptmgr.errors import (
     CheckpointExistsError,
     ConfigError,

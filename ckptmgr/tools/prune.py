@@ -14,7 +14,7 @@ from ckptmgr.lease import writer_lease
 from ckptmgr.policy import StepRecord, build_policy, steps_to_delete
 from ckptmgr.step_store import StepStore
 from ckptmgr.storage import open_storage
-from ckptmgr.tools.inspect import list_steps
+from ckptmgr.tools.listing import list_steps
 
 __all__ = ["PruneResult", "prune_steps"]
 

@@ -1,0 +1,33 @@
+"""The checksum every ckptmgr file and item carries (xxh3-64, 9-12 GB/s on one core here).
+
+Torch-free on purpose: ``ckptmgr cp`` checks whole-file checksums without tensors, and so starts
+without importing torch; :mod:`ckptmgr.dcp._bytes` re-exports these names for the tensor code.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+__all__ = ["CHECKSUM_ALGO", "Hasher", "checksum"]
+
+CHECKSUM_ALGO = "xxh3_64"
+
+
+def checksum(data: memoryview | bytes) -> str:
+    """``"xxh3_64:<16 hex>"`` of ``data``."""
+    return f"{CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+class Hasher:
+    """Streaming :func:`checksum` over several chunks."""
+
+    def __init__(self) -> None:
+        self._h = xxhash.xxh3_64()
+
+    def update(self, data: memoryview | bytes) -> None:
+        """Add ``data``."""
+        self._h.update(data)
+
+    def value(self) -> str:
+        """The checksum of everything added so far."""
+        return f"{CHECKSUM_ALGO}:{self._h.hexdigest()}"
