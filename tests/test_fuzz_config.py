@@ -112,13 +112,27 @@ def test_deep_nesting(fuzz_sandbox: Sandbox, fuzz_templates: dict[str, Any], dep
           ops=[f"storage.options nested {depth} deep ({style})"])
 
 
-@pytest.mark.parametrize("text", [
-    b"!!python/object/apply:os.system ['true']", b"save_interval: !!python/name:os.system\n",
-    b"\xff\xfe", b"path: x\nsave_interval: 1\nsave_interval: 2\n", b"- 1\n- 2\n", b"",
-    b"path: x\nsave_interval: 1e400\n", b"path: x\nsave_interval: .nan\n",
-    b"path: x\nsave_interval: 0x7fffffffffffffffffff\n", b"path: \"\\0\"\nsave_interval: 1\n",
-    b"<<: {path: x, save_interval: 1}\n", b"? [a, b]\n: 1\n",
-], ids=lambda b: repr(b[:24]))
+_CASES = {
+    "python-object-tag": b"!!python/object/apply:os.system ['true']",
+    "python-name-tag": b"save_interval: !!python/name:os.system\n",
+    "not-utf8": b"\xff\xfe",
+    "duplicate-key": b"path: x\nsave_interval: 1\nsave_interval: 2\n",
+    "top-level-list": b"- 1\n- 2\n",
+    "empty": b"",
+    "float-overflow": b"path: x\nsave_interval: 1e400\n",
+    "nan": b"path: x\nsave_interval: .nan\n",
+    "huge-hex": b"path: x\nsave_interval: 0x7fffffffffffffffffff\n",
+    "nul-in-path": b'path: "\\0"\nsave_interval: 1\n',
+    "merge-key": b"<<: {path: x, save_interval: 1}\n",
+    "complex-key": b"? [a, b]\n: 1\n",
+    "null-key-only": b"\n?",
+    "int-key-top": b"1: 2\npath: x\n",
+    "int-key-section": b"path: x\nsave_interval: 1\nretention: {1: 2}\n",
+    "null-key": b"path: x\nsave_interval: 1\n? null\n",
+}
+
+
+@pytest.mark.parametrize("text", list(_CASES.values()), ids=list(_CASES))
 def test_config_cases(fuzz_sandbox: Sandbox, text: bytes) -> None:
     out = fuzz_sandbox.run("config", text=text)
     check(out, "config-case", data=text, ops=[repr(text)])
