@@ -8,7 +8,7 @@ Trainer saves ``rng_state_{rank}.pth``), so :class:`RNGState` keys its state by 
     rng.rank0.python   Python ``random``: ``random.getstate()``
     rng.rank0.numpy    NumPy's global generator (only when numpy is importable)
     rng.rank0.torch    torch's CPU generator: ``torch.get_rng_state()`` as bytes
-    rng.rank0.cuda     torch's CUDA generators, one bytes per device (only when CUDA is available)
+    rng.rank0.cuda     torch's CUDA generators, one bytes per device (once CUDA is initialized)
     rng.rank1.python   ...
 
 Every entry is a Python value (tagged JSON: ints, tuples, bytes), never a tensor: no shape or dtype
@@ -111,7 +111,11 @@ class RNGState:
         if np is not None:
             kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
             parts["numpy"] = (str(kind), keys.tolist(), int(pos), int(has_gauss), float(cached))
-        if torch.cuda.is_available():
+        # Only once CUDA is initialized: reading its generators would initialize it (in a
+        # process that may fork data workers), and until then they hold only the seed that
+        # torch.manual_seed queued, which a resumed run queues the same way.
+        initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        if torch.cuda.is_available() and initialized:
             parts["cuda"] = [_tensor_bytes(s) for s in torch.cuda.get_rng_state_all()]
         return parts
 

@@ -259,6 +259,7 @@ class _FakeCuda:
 
     def patch(self, m: pytest.MonkeyPatch, devices: int) -> None:
         m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.cuda, "is_initialized", lambda: True)
         m.setattr(torch.cuda, "device_count", lambda: devices)
         m.setattr(torch.cuda, "get_rng_state_all",
                   lambda: [torch.tensor(list(s), dtype=torch.uint8)
@@ -295,7 +296,7 @@ def _iter_flat(sd: Any, prefix: str = "") -> Iterator[str]:
 
 def test_state_dict_is_keyed_by_rank_and_holds_no_tensor() -> None:
     sd = RNGState().state_dict()
-    cuda = ["rank0.cuda"] if torch.cuda.is_available() else []
+    cuda = ["rank0.cuda"] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     assert sorted(_iter_flat(sd)) == [*cuda, "rank0.numpy", "rank0.python", "rank0.torch"]
     assert not any(isinstance(v, torch.Tensor) for v in sd["rank0"].values())
 
