@@ -211,6 +211,7 @@ class CheckpointManager:
         self._events = Listeners()
         self._local: LocalTier | None = None  # the node-local tier (ckptmgr.tiers)
         self._given: _Given | None = None  # the newest step given and not saved (close())
+        self._closing = False  # close() is saving the last step given
         # Two gloo groups of our own, each used by one thread only (two threads issuing
         # collectives on one group deadlock): the caller's thread, and the background writer.
         self._caller = self._worker = Comm(None)
@@ -408,8 +409,8 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        self._close(failing=exc_type is not None or sys.exc_info()[0] is not None)
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # sys.exc_info() holds the exception a with block is left by
 
     def _remember(self, req: _Request, state_dict: Mapping[str, Any]) -> None:
         """(caller thread) Note a step given but not saved, for close()."""
@@ -443,8 +444,12 @@ class CheckpointManager:
         log.info("close(): saving step %d, newer than %s (save_on_close=True)", given.step,
                  after)
         r = given.request
-        self.save(given.step, given.state_dict, force=True, metrics=r.metrics,
-                  metadata=r.metadata, trusted=r.trusted)
+        self._closing = True
+        try:
+            self.save(given.step, given.state_dict, force=True, metrics=r.metrics,
+                      metadata=r.metadata, trusted=r.trusted)
+        finally:
+            self._closing = False
 
     def restore_latest(self, state_dict: Mapping[str, Any], **restore_kwargs: Any) -> int | None:
         """Restore the newest committed step (any tier) into ``state_dict`` in place and return
@@ -488,6 +493,10 @@ class CheckpointManager:
         self.join()
         comm, cfg = self._caller, self.config
         comm.arrivals.begin("restore", step, "restore")
+        if self.config.read_only and step not in self.all_steps():
+            # A reader's view is from when it opened: the writer beside it may have committed
+            # the step since. Look again (the new view is agreed like the first).
+            self._view = comm.on_coordinator(self._scan)
         comm.on_coordinator(lambda: self._require_listed(step))  # the view is the same everywhere
         durable = step in self._view.records or step in self._view.foreign  # alike everywhere
         nbytes = None if self._local is None else self._local.restore(  # the local tier first
@@ -563,7 +572,8 @@ class CheckpointManager:
                        check_metadata(metadata), check_flag("trusted", trusted), t_call)
         check_state_dict(state_dict)  # also when the step is not due: the call is wrong anyway
         self._caller.arrivals.begin("save", req.step, "plan")
-        signum = agree_preemption(self._preempt, self._caller)
+        # The save of close() is the last one anyway: it neither polls nor acts on preemption.
+        signum = None if self._closing else agree_preemption(self._preempt, self._caller)
         if signum:
             return self._preemption_save(req, state_dict, signum)
         if not (req.forced or self.should_save(req.step)):
@@ -601,6 +611,14 @@ class CheckpointManager:
                                                    trusted=req.trusted), token=req.step)
         plan = comm.on_coordinator(lambda: self._begin_on_coordinator(
             req, prepared, on_exists)) if durable else None
+        if local and plan is None and (durable or req.step in self._view.records
+                                       or req.step in self._view.foreign):
+            # The durable tier holds this step and keeps it: a new local copy would make two
+            # versions of one step (which one a restore gets would depend on local retention).
+            log.warning("skipping the local-tier save of step %d: the durable tier holds that "
+                        "step%s", req.step, "" if durable else
+                        "; save it with force=True and overwrite=True to replace it everywhere")
+            local = False
         if plan is None and not local:
             return False
         self._events.emit("on_save_start", req.step)

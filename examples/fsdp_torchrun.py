@@ -134,7 +134,11 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"step {step} digest {digest}", flush=True)
         if rank == 0 and step % 10 == 0:
             print(f"step {step} loss {loss.item():.6f}", flush=True)
-    mgr.close()
+    if args.digest and start < args.steps and not mgr.should_save(args.steps - 1):
+        digest = state_digest(model, optim)  # of the last step, which close() saves
+        if rank == 0:
+            print(f"step {args.steps - 1} digest {digest}", flush=True)
+    mgr.close()  # saves the last step too, when the interval did not (save_on_close)
     if rank == 0:
         print(f"done: committed steps {mgr.all_steps()} in {mgr.path}", flush=True)
     if distributed:

@@ -235,16 +235,17 @@ def test_manager_end_to_end_with_storage_options(server: Any, bucket_url: str) -
             mgr.save_async(step, _state(step), metrics={"loss": 1.0 / (step + 1)})
         mgr.join()
         assert mgr.all_steps() == [20, 30]
+    # close() saved the last step given (save_on_close), and retention kept 2.
     with CheckpointManager(bucket_url, save_interval=10, max_to_keep=2,
                            storage_options=opts) as mgr:
-        assert mgr.all_steps() == [20, 30] and mgr.latest_step() == 30
+        assert mgr.all_steps() == [30, 39] and mgr.latest_step() == 39
         out = _zeros()
-        mgr.restore(30, out)
-        assert _same(out, _state(30))
-        assert mgr.step_info(20).metrics == {"loss": 1.0 / 21}
+        mgr.restore(39, out)
+        assert _same(out, _state(39))
+        assert mgr.step_info(30).metrics == {"loss": 1.0 / 31}
     # Retention removed whole prefixes, not just manifests. Objects are counted, not `ls`
     # entries: SeaweedFS keeps listing an emptied prefix as a directory for minutes.
-    assert _prefixes_with_objects(server, bucket_url) == ["20", "30"]
+    assert _prefixes_with_objects(server, bucket_url) == ["30", "39"]
 
 
 @pytest.mark.slow

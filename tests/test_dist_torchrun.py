@@ -38,13 +38,13 @@ def test_fsdp_example_resumes_at_other_world_sizes(tmp_path: Path) -> None:
     ckpt = tmp_path / "run"
     first = _torchrun(2, ckpt, 25)
     saved = _digests(first)
-    assert sorted(saved) == [0, 10, 20]
+    assert sorted(saved) == [0, 10, 20, 24]  # 24: the last step, saved by close()
 
     second = _torchrun(1, ckpt, 35)
-    assert "resumed from step 20 (saved by 2 ranks, now 1)" in second
-    assert _digests(second)[20] == saved[20]
+    assert "resumed from step 24 (saved by 2 ranks, now 1)" in second
+    assert _digests(second)[24] == saved[24]
 
     third = _torchrun(4, ckpt, 45)
-    assert "resumed from step 30 (saved by 1 ranks, now 4)" in third
-    assert _digests(third)[30] == _digests(second)[30]
-    assert "done: committed steps [0, 20, 30, 40]" in third  # max_to_keep 3 + keep_period 1000
+    assert "resumed from step 34 (saved by 1 ranks, now 4)" in third
+    assert _digests(third)[34] == _digests(second)[34]
+    assert "done: committed steps [0, 34, 40, 44]" in third  # max_to_keep 3 + keep_period 1000

@@ -123,7 +123,7 @@ def _resume_run(rank: int, world: int, durable: str, nodes: str, corrupt_local: 
 
 def test_durable_lagging_local_then_replaced_node(s3_url: str, tmp_path: Path) -> None:
     nodes = str(tmp_path)
-    a = run_ranks(_train_run, 2, s3_url, nodes, 17, timeout_s=180)
+    a = run_ranks(_train_run, 2, s3_url, nodes, 15, timeout_s=180)
     # due: local every 5, durable every 10; local keeps the 2 newest whole steps
     assert a[0]["all"] == a[1]["all"] == [10, 15]
     assert a[0]["tiers"] == {10: ("durable", "local"), 15: ("local",)}

@@ -87,11 +87,11 @@ def test_documented_loop_resumes_and_runs_to_the_end(
     assert first["printed"] == [f"Checkpoint taken at step {s}" for s in (0, 10, 20)]
     assert "tracked_steps" in first and first["tracked_steps"] == []
     saved = {k: v.clone() for k, v in first["model"].state_dict().items()}
-    step20 = _files(root, 20)
+    step24 = _files(root, 24)  # close() saved the last step (save_on_close)
 
     caplog.set_level(logging.WARNING, logger="ckptmgr")
     second = _run(root, seed=1, batches=35, capsys=capsys)
-    assert second["best_step"] == 20
+    assert second["best_step"] == 24
     # restored: the model and the optimizer of the first job
     assert all(torch.equal(second["model"].state_dict()[k], v) for k, v in saved.items())
     assert (second["optim"].state_dict()["state"][0]["exp_avg"].tolist()
@@ -102,11 +102,11 @@ def test_documented_loop_resumes_and_runs_to_the_end(
         skips = [r for r in caplog.records if f"skipping the save of step {s}:" in r.getMessage()]
         assert len(skips) == 1, (s, [r.getMessage() for r in caplog.records])
     # the restored checkpoint is untouched, byte for byte, and still listed
-    assert _files(root, 20) == step20
+    assert _files(root, 24) == step24
     from ckptmgr import CheckpointManager
 
     with CheckpointManager(root, 10, read_only=True) as mgr:
-        assert mgr.all_steps() == [0, 10, 20, 30]
+        assert mgr.all_steps() == [0, 10, 20, 24, 30, 34]
 
 
 def test_loop_text_is_torch_xlas() -> None:
