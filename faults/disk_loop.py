@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"skipped: {e}", file=sys.stderr)
         return 2
     except FaultFound as e:
-        print(f"FAULT FOUND: {e}", file=sys.stderr)
+        print(f"FAULT FOUND: {e}\nreproduce: python -m faults.disk_loop --rounds {a.rounds} "
+              f"--seed {a.seed}", file=sys.stderr)
         return 1
     print(json.dumps(rep.summary()))
     return 0

@@ -289,7 +289,10 @@ def main(argv: list[str] | None = None) -> int:
         rep = kill_loop(a.kills, a.backend, a.mode, a.seed, max_delay_s=a.max_delay,
                         log=(lambda m: print(m, file=sys.stderr)) if a.verbose else None)
     except FaultFound as e:
-        print(f"FAULT FOUND: {e}", file=sys.stderr)
+        print(f"FAULT FOUND: {e}\nreproduce: python -m faults.kill_loop --kills {a.kills} "
+              f"--backend {a.backend} --mode {a.mode} --seed {a.seed} --max-delay {a.max_delay}"
+              " (kill moments are random: the same seed draws the same delays and targets)",
+              file=sys.stderr)
         return 1
     print(json.dumps(rep.summary()))
     return 0

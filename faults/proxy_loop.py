@@ -320,7 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         rep = proxy_loop(a.saves, a.seed, rate=a.rate, kinds=tuple(a.kinds.split(",")),
                          log=(lambda m: print(m, file=sys.stderr)) if a.verbose else None)
     except FaultFound as e:
-        print(f"FAULT FOUND: {e}", file=sys.stderr)
+        again = "--outage" if a.outage else f"--saves {a.saves} --rate {a.rate} --kinds {a.kinds}"
+        print(f"FAULT FOUND: {e}\nreproduce: python -m faults.proxy_loop {again} "
+              f"--seed {a.seed}", file=sys.stderr)
         return 1
     print(json.dumps(rep.summary()))
     return 0
