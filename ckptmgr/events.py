@@ -21,7 +21,9 @@ event is logged with its traceback at WARNING, later ones at DEBUG.
 
 Each event is also a structured log record on the ``ckptmgr.events`` logger (INFO): the record
 has ``ckptmgr_event`` (``"save_end"``, ``"restore_end"``) and ``ckptmgr_stats`` (a dict: for
-saves :meth:`SaveStats.to_dict`), so a ``logging.Handler`` can forward them too.
+saves :meth:`SaveStats.to_dict`, for restores ``step``, ``bytes_read``, ``seconds`` and ``tier``,
+the tier this rank read: ``"local"`` or ``"durable"``), so a ``logging.Handler`` can forward them
+too.
 """
 
 from __future__ import annotations
