@@ -263,7 +263,15 @@ class CkptmgrCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise TypeError("CkptmgrCheckpointIO takes storage_options in its constructor")
         dirpath, name = _split(path)
-        step = int(checkpoint["global_step"])
+        step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
+        if isinstance(step, bool) or not isinstance(step, (int, torch.Tensor)):
+            # e.g. the bare state_dict that ddp_spawn's launcher passes between processes
+            raise ConfigError(f"cannot save {path}: CkptmgrCheckpointIO saves a Lightning "
+                              f"trainer checkpoint, whose 'global_step' (an int) is its step; "
+                              f"this one has {type(step).__name__ if step is not None else 'none'}"
+                              " (strategies that spawn processes, such as ddp_spawn, are not "
+                              "supported)")
+        step = int(step)
         run = self._run(dirpath)
         flat: dict[str, Any] = {}
         skeleton = _flatten(checkpoint, "", flat)
