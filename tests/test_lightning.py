@@ -230,7 +230,7 @@ def test_same_step_saved_again_with_changed_weights_is_saved_again(tmp_path: Pat
 def test_a_checkpoint_without_global_step_is_refused_clearly(tmp_path: Path) -> None:
     io = CkptmgrCheckpointIO(async_save=False)
     try:  # ddp_spawn's launcher hands the bare state_dict to the plugin
-        with pytest.raises(ckptmgr.ConfigError, match="'global_step'.*ddp_spawn"):
+        with pytest.raises(ckptmgr.ConfigError, match=r"'global_step'.*ddp_spawn"):
             io.save_checkpoint({"w": torch.zeros(2)}, str(tmp_path / ".temp.ckpt"))
         assert not (tmp_path / ".temp.ckpt").exists()
     finally:
