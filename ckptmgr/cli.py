@@ -281,6 +281,10 @@ def _check_root(args: argparse.Namespace, url: str, options: dict[str, Any] | No
         cmd += f" {step}" if step is not None else " STEP"
     if args.command == "export" or args.command == "prune":
         cmd += " ..."
+    if args.command == "cp" and url == args.src:
+        cmd += f" {redact_url(args.dst)}" + (f" --step {step}" if step is not None else "")
+    elif args.command in ("cp", "import"):  # the destination: the source stays as given
+        cmd = f"ckptmgr {args.command} {redact_url(args.src)} {root}"
     if staged is not None:
         what = f"the unfinished save of step {staged[0]} (a staging directory) in the root {root}"
     elif step is not None:

@@ -93,7 +93,8 @@ def test_a_step_directory_names_its_root_and_the_command(
     fix = {"ls": f"ckptmgr ls {small_root}", "inspect": f"ckptmgr inspect {small_root} 20",
            "verify": f"ckptmgr verify {small_root} 20",
            "prune": f"ckptmgr prune {small_root} ...",
-           "export": f"ckptmgr export {small_root} 20 ...", "cp": f"ckptmgr cp {small_root}"}
+           "export": f"ckptmgr export {small_root} 20 ...",
+           "cp": f"ckptmgr cp {small_root} {tmp_path}/copy --step 20"}
     assert err == (f"ckptmgr: error: {step_dir} is step 20 of the checkpoint root {small_root}, "
                    f"not a checkpoint root: run `{fix[command]}`\n")
     assert not (tmp_path / "copy").exists()
@@ -117,7 +118,9 @@ def test_step_directory_variants(small_root: str, tmp_path: Path,
                         f"{tmp_path}, not a checkpoint root: run `ckptmgr verify {tmp_path} STEP`"
                         ) in err
     rc, _, err = _run(capsys, ["cp", small_root, os.path.join(small_root, "10")])
-    assert rc == 1 and "is step 10 of the checkpoint root" in err
+    assert rc == 1 and err.endswith(f"is step 10 of the checkpoint root {small_root}, not a "
+                                    f"checkpoint root: run `ckptmgr cp {small_root} "
+                                    f"{small_root}`\n")
     # A root whose own name is a number is still a root: its entries are step directories.
     numbered = tmp_path / "2024"
     assert cli.main(["cp", small_root, str(numbered), "--no-progress"]) == 0
@@ -154,6 +157,18 @@ def test_bucket_without_credentials(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     rc, _, err = _run(capsys, ["cp", str(src), "s3://no-creds-bucket/run",
                                "--dst-option", "endpoint_url=http://127.0.0.1:9"])
     assert rc == 1 and "pass --dst-option key=... --dst-option secret=..." in err
+
+
+def test_readme_demo_installs_only_what_it_needs() -> None:
+    readme = (REPO / "README.md").read_text()
+    demo, tests = [line for line in readme.splitlines() if line.startswith("python3 -m venv")]
+    assert 'pip install torch==2.13.0 -e . && .venv/bin/python examples/train_toy.py' in demo
+    assert '-e ".[test]" && .venv/bin/python -m pytest' in tests
+    assert "about 10 minutes on 2 cores" in readme
+    quick = next(line for line in readme.splitlines()
+                 if line.startswith(".venv/bin/python -m pytest tests/"))
+    for path in quick.split()[3:]:
+        assert (REPO / path).is_file(), path
 
 
 def test_commands_without_tensor_maths_do_not_import_torch(small_root: str,
