@@ -1,6 +1,9 @@
 """The ``ckptmgr`` command line: ls, inspect, verify, prune, export, cp and import.
 
 Each command is a thin layer over :mod:`ckptmgr.tools`. Conventions (docs/cli.md):
+- the root is checked first, by one helper for every command (:func:`_check_root`): a missing
+  path, a file, a step directory given as a root or a bucket without credentials is one error
+  naming the fix, before torch is imported;
 - the command's result goes to stdout: a table, or with ``--json`` one JSON document;
 - logs, notes and the progress bar go to stderr; the bar (bytes, rate, ETA) is drawn only when
   stderr is a terminal (``--progress``/``--no-progress`` override);

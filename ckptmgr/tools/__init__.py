@@ -54,8 +54,9 @@ if TYPE_CHECKING:
     from ckptmgr.tools.listing import StepListing, format_bytes, list_steps
     from ckptmgr.tools.prune import PruneResult, prune_steps
 
-# Each name is imported from its module on first use (PEP 562): ``ckptmgr ls`` and ``--help``
-# start without torch; listing (:mod:`~ckptmgr.tools.listing`) never imports it.
+# Each name is imported from its module on first use (PEP 562): ``ckptmgr ls``, ``prune``, ``cp``
+# and ``--help`` start without torch (listing, prune, copy and _common never import it; inspect,
+# export and dcp_import do: they decode tensor metadata).
 _MODULES = {
     "listing": ("StepListing", "format_bytes", "list_steps"),
     "_common": ("Progress",),
