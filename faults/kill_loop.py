@@ -185,12 +185,12 @@ def _landed(life: _Life, root: Root, old_leftovers: list[str]) -> str:
         return "retention"  # committed, retention not done yet
     if any(n.isdigit() and steps and int(n) < max(map(int, steps)) for n in partial):
         return "retention"  # an old step half deleted (its manifest goes first)
-    if partial:
-        return "writing"  # the data files or the commit of a new step
     last = next((x for x in reversed(life.seen) if x and x[0] in ("saving", "queued")), None)
-    if last is not None and last[0] == "saving":
-        return "staging"
-    return "between"
+    # Inside save_async: staging, or waiting for the save in flight (then also "writing").
+    staging = last is not None and last[0] == "saving"
+    if partial:  # the data files or the commit of a new step
+        return "staging+writing" if staging else "writing"
+    return "staging" if staging else "between"
 
 
 def kill_loop(kills: int, backend: str, mode: str, seed: int = 0, *, max_delay_s: float = 0.5,
@@ -224,9 +224,17 @@ def kill_loop(kills: int, backend: str, mode: str, seed: int = 0, *, max_delay_s
                     # The clock starts at the resume (a third of the kills: the first save,
                     # its planning included) or at this life's first commit (steady saving,
                     # where a kill lands in staging, writing, the commit or retention alike).
+                    # From a commit on, half the kills come right after the trainer says
+                    # "saving" (staging, or waiting for the save in flight) or "committed"
+                    # (retention runs next), the others after a random delay.
+                    anchor = "ready"
                     if rng.random() < 2 / 3:
                         life.wait_for("committed", START_TIMEOUT_S, after=int(ready[1]) - 1)
+                        anchor = rng.choice(["delay", "delay", "saving", "committed"])
                     delay = rng.choice([0.0, rng.uniform(0, max_delay_s)])
+                    if anchor in ("saving", "committed"):
+                        life.wait_for(anchor, START_TIMEOUT_S)
+                        delay = 0.0
                     hit_writer = mode == "process" and rng.random() < 0.5
                     target = life.run.pid
                     if hit_writer:
