@@ -129,6 +129,19 @@ def test_step_directory_variants(small_root: str, tmp_path: Path,
     assert rc == 0 and [e["step"] for e in json.loads(out)] == [10, 20, 30]
 
 
+def test_step_directory_on_an_fsspec_store(capsys: pytest.CaptureFixture[str]) -> None:
+    # The same check through FsspecStorage (object-store listing) as through local paths.
+    root = "memory://cli-messages/run"
+    with ckptmgr.CheckpointManager(root, save_interval=10) as mgr:
+        mgr.save(10, {"model": torch.nn.Linear(2, 2)})
+    rc, out, err = _run(capsys, ["inspect", f"{root}/10"])
+    assert (rc, out) == (1, "") and err == (
+        f"ckptmgr: error: {root}/10 is step 10 of the checkpoint root {root}, not a checkpoint "
+        f"root: run `ckptmgr inspect {root} 10`\n")
+    rc, _, err = _run(capsys, ["ls", "memory://cli-messages/nothing"])
+    assert rc == 1 and "memory://cli-messages/nothing does not exist" in err
+
+
 def test_an_empty_root_is_not_an_error_for_ls(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = _run(capsys, ["ls", str(tmp_path)])
