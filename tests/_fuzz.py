@@ -97,7 +97,7 @@ def fuzz_settings(examples: int) -> settings:
 
 EXTREME_INTS: tuple[int, ...] = (
     0, 1, -1, 2, 255, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**62, 2**63 - 1, 2**63, 2**64,
-    2**70, -(2**62), -(2**63), -(2**63) - 1, 10**30, 10**300)
+    2**70, -(2**62), -(2**63), -(2**63) - 1, 10**30, 10**300, 10**400)
 EXTREME_FLOATS: tuple[float, ...] = (
     0.5, -0.0, 1e308, -1e308, float("nan"), float("inf"), float("-inf"), 5e-324, 1e16 + 0.5)
 EXTREME_INT64: tuple[int, ...] = (
@@ -234,8 +234,12 @@ def json_mutations(draw: Any, doc: Any, *, max_ops: int = 2) -> tuple[tuple[str,
         path = draw(st.sampled_from(paths))
         node = _get(doc, path)
         kind = draw(st.sampled_from(
-            ("int", "float", "swap", "drop", "dup", "nest", "string", "key", "add")))
-        if kind == "int":
+            ("int", "float", "swap", "drop", "dup", "nest", "string", "key", "add", "digits")))
+        if kind == "digits":  # more digits than Python converts by default (4300)
+            n = draw(st.sampled_from((4301, 100_000)))
+            doc = _set(doc, path, _Raw("9" * n))
+            ops.append(f"{list(path)} = an integer of {n} digits")
+        elif kind == "int":
             v = draw(st.sampled_from(EXTREME_INTS))
             doc = _set(doc, path, v)
             ops.append(f"{list(path)} = {v}")

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from _fuzz import (  # noqa: F401 - sandbox_fixture and templates_fixture are fixtures
     EXTREME_INTS,
     Sandbox,
+    _Raw,
     check,
     dump_json,
     fuzz_settings,
@@ -71,3 +73,33 @@ def test_generated_manifest_fields(fuzz_sandbox: Sandbox, fuzz_templates: dict[s
     raw = dump_json(doc)
     out = fuzz_sandbox.run("restore", root=t["root_v2"], step=1, edits={"commit.json": raw})
     check(out, "manifest", data=raw, ops=[f"set {k} = {v!r}"[:200] for k, v in changes.items()])
+
+
+_CASES = {
+    "metric-overflows-float": ("metrics", {"loss": 10**400}),
+    "step-5000-digits": ("step", _Raw("9" * 5000)),
+    "world-size-2**70": ("world_size", 2**70),
+    "rank-key-huge": ("bytes_per_rank", {"9" * 30: 1}),
+    "rank-key-fullwidth-digit": ("bytes_per_rank", {"\uff10": 1}),
+    "step-2**63": ("step", 2**63),
+    "size-2**64": ("files", "size"),
+    "mesh-deep": ("mesh", _Raw("[" * 100_000 + "]" * 100_000)),
+    "time-year-10000": ("time", "10000-01-01T00:00:00Z"),
+    "time-offset-max": ("time", "9999-12-31T23:59:59.999999-23:59"),
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_manifest_cases(fuzz_sandbox: Sandbox, fuzz_templates: dict[str, Any], case: str) -> None:
+    """Numbers Python parses but cannot convert (a float from a 400-digit int, an int of 5000
+    digits), numbers beyond every bound, keys that look like digits."""
+    doc = json.loads(fuzz_templates["manifest"])
+    field, value = _CASES[case]
+    if value == "size":
+        doc["files"][0]["size"] = 2**64
+    else:
+        doc[field] = value
+    raw = dump_json(doc)
+    out = fuzz_sandbox.run("restore", root=fuzz_templates["root_v2"], step=1,
+                           edits={"commit.json": raw})
+    check(out, "manifest", data=raw, ops=[case])
