@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from _mp import run_ranks
 
 import ckptmgr
 from ckptmgr.errors import ConfigError
-
-from _mp import run_ranks
 
 
 def _model() -> torch.nn.Module:

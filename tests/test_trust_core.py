@@ -16,13 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+from _mp import run_ranks
 
 import ckptmgr
 from ckptmgr.errors import CkptmgrError, CorruptCheckpointError, SaveError, StorageError
 from ckptmgr.lease import LEASE_NAME, _pid_namespace
 from ckptmgr.step_store import StepStore
-
-from _mp import run_ranks
 
 
 def _state(v: float) -> dict[str, Any]:
