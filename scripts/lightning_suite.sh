@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Run PyTorch Lightning's own checkpointing tests (tests_pytorch/checkpointing): with Lightning's
-# default checkpoint I/O, with ckptmgr's CkptmgrCheckpointIO swapped in as every strategy's
-# default, and (a diagnostic) swapped in with torch.load made to read our pointer files, so the
-# tests that open the .ckpt file themselves still check what the plugin restores. Prints the counts and writes, for each test that passes with the default
-# I/O and fails with ours, its first error line (docs/integrations.md explains the classes).
+# Run PyTorch Lightning's own checkpointing tests (tests_pytorch/checkpointing) three times: with
+# Lightning's default checkpoint I/O; with ckptmgr's CkptmgrCheckpointIO swapped in as every
+# strategy's default (the plugin's defaults); and, a diagnostic, swapped in with root= outside the
+# checkpoint directories and torch.load made to read our pointer files, so the tests that list the
+# directory or open the .ckpt file themselves still check what the plugin saves and restores.
+# Prints the counts and writes WORK/lost.txt: each test that passes with the default I/O and not
+# with ours, its first error, and its outcome in the diagnostic (docs/integrations.md, section 3).
 #
 # Nothing of Lightning's code enters this repository: its tests are unpacked into WORK (default
 # /tmp/ckptmgr-lightning-suite) at the tag of the installed lightning (or the newest tag below it
 # when that one is not in the source), and the few packages its tests import that ckptmgr's test
 # extras lack go into WORK/deps (pip --target; the project's environment is left alone).
 #
-# Usage: scripts/lightning_suite.sh [PYTEST ARGS...]
+# Usage: scripts/lightning_suite.sh          (PYTEST_ARGS: more pytest arguments, e.g. "-k top_k")
 #   PYTHON            the interpreter with ckptmgr and lightning (default: .venv/bin/python)
 #   LIGHTNING_GIT_DIR a clone (or bare git dir) of Lightning-AI/pytorch-lightning; without it the
 #                     repository is cloned from GitHub into WORK/src
@@ -55,8 +57,10 @@ git_ archive "$tag" tests/tests_pytorch pyproject.toml | tar -x -C "$WORK/lightn
 # Strategy.checkpoint_io builds TorchCheckpointIO() when none was given).
 cat > "$WORK/deps/ckptmgr_swap.py" <<'EOF'
 """pytest plugin: CKPTMGR_SWAP=1 makes CkptmgrCheckpointIO Lightning's default checkpoint I/O;
-CKPTMGR_SWAP=2 also lets torch.load read our pointer files (through the plugin), so the tests
-that open the .ckpt file themselves check the content the plugin restores (a diagnostic)."""
+CKPTMGR_SWAP=2 (a diagnostic) also puts the run roots in CKPTMGR_SWAP_ROOT (the plugin's root=,
+so the checkpoint directories hold only .ckpt files) and lets torch.load read our pointer files
+through the plugin, so the tests that list the directory or open the .ckpt file themselves
+still check what the plugin saves and restores."""
 import os
 
 if os.environ.get("CKPTMGR_SWAP") in ("1", "2"):
@@ -66,6 +70,10 @@ if os.environ.get("CKPTMGR_SWAP") in ("1", "2"):
 
     class _SwappedIO(CkptmgrCheckpointIO):
         """The plugin with its defaults, where Lightning would make a TorchCheckpointIO."""
+
+        def __init__(self, **kwargs):
+            kwargs.setdefault("root", os.environ.get("CKPTMGR_SWAP_ROOT") or None)
+            super().__init__(**kwargs)
 
     _strategy.TorchCheckpointIO = _SwappedIO
 
@@ -96,19 +104,21 @@ if os.environ.get("CKPTMGR_SWAP") == "2":
     torch.load = _load
 EOF
 
-run() {  # run NAME SWAP: one pass over the suite, junit XML into WORK/NAME.xml
+run() {  # run NAME SWAP [ROOT]: one pass over the suite, junit XML into WORK/NAME.xml
     (cd "$WORK/lightning/tests" &&
-     CKPTMGR_SWAP="$2" PYTHONPATH="$WORK/deps:$WORK/lightning/tests${PYTHONPATH:+:$PYTHONPATH}" \
+     CKPTMGR_SWAP="$2" CKPTMGR_SWAP_ROOT="${4:-}" PYTHONPATH="$WORK/deps:$WORK/lightning/tests${PYTHONPATH:+:$PYTHONPATH}" \
      timeout "$SUITE_TIMEOUT" "$PYTHON" -m pytest tests_pytorch/checkpointing -q \
         -p no:cacheprovider -p ckptmgr_swap --timeout 300 --color=no \
         --ignore=tests_pytorch/checkpointing/test_legacy_checkpoints.py \
         -c "$WORK/lightning/pyproject.toml" --rootdir "$WORK/lightning/tests" \
-        --junitxml "$WORK/$1.xml" "${@:3}" > "$WORK/$1.log" 2>&1) || true
+        --junitxml "$WORK/$1.xml" ${PYTEST_ARGS:-} > "$WORK/$1.log" 2>&1) || true
     tail -1 "$WORK/$1.log"
 }
-echo "== default I/O";                          run default 0 "$@"
-echo "== CkptmgrCheckpointIO";                  run ckptmgr 1 "$@"
-echo "== CkptmgrCheckpointIO, pointer-aware torch.load (diagnostic)"; run reading 2 "$@"
+echo "== default I/O";         run default 0
+echo "== CkptmgrCheckpointIO"; run ckptmgr 1
+echo "== CkptmgrCheckpointIO, root= elsewhere, pointer-aware torch.load (diagnostic)"
+rm -rf "$WORK/roots"
+run reading 2 "$WORK/roots"
 
 "$PYTHON" - "$WORK" <<'EOF'
 """Compare the two runs: counts, and each test that only our I/O fails, with its first error."""
@@ -137,7 +147,7 @@ def outcomes(name):
 
 base, ours, reading = outcomes("default"), outcomes("ckptmgr"), outcomes("reading")
 for name, res in (("default I/O", base), ("CkptmgrCheckpointIO", ours),
-                  ("CkptmgrCheckpointIO + pointer-aware torch.load", reading)):
+                  ("diagnostic: root= elsewhere, pointer-aware torch.load", reading)):
     counts = {k: sum(1 for v in res.values() if v[0] == k) for k in ("passed", "failed", "skipped")}
     print(f"{name}: {counts}")
 lost = sorted(k for k, v in base.items() if v[0] == "passed" and ours.get(k, ("?",))[0] != "passed")

@@ -235,3 +235,17 @@ def test_a_checkpoint_without_global_step_is_refused_clearly(tmp_path: Path) -> 
         assert not (tmp_path / ".temp.ckpt").exists()
     finally:
         io.teardown()
+
+
+def test_root_elsewhere_leaves_only_ckpt_files(tmp_path: Path) -> None:
+    ckpts, data = tmp_path / "ckpts", tmp_path / "data"
+    _fit(ckpts, 9, resume=False, io=CkptmgrCheckpointIO(root=str(data)))
+    assert sorted(os.listdir(ckpts)) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    (run,) = sorted(data.iterdir())
+    pointer = json.loads((ckpts / "last.ckpt").read_text())
+    assert pointer == {"ckptmgr_step": 8, "ckptmgr_run": run.name, "ckptmgr_root": str(data)}
+    # the pointer names the root: a plugin without root= (a later run) resumes from it
+    _, trainer = _fit(ckpts, 10, resume=True)
+    assert trainer.global_step == 10
+    with pytest.raises(ckptmgr.ConfigError, match="root must be"):
+        CkptmgrCheckpointIO(root="")

@@ -13,7 +13,8 @@ How Lightning's file paths map onto steps (docs/integrations.md):
   plugin first saved into ``DIR`` plus a random suffix; its lease file, step directories and
   ``.tmp-*`` staging stay in there). The checkpoint's ``global_step`` is the step: saving
   ``DIR/epoch=0-step=500.ckpt`` saves step 500 under ``DIR/.ckptmgr/RUN/`` with ckptmgr's async
-  queue, retention and checksums;
+  queue, retention and checksums. ``root=URL`` puts the run roots at ``URL/RUN/`` instead, for a
+  ``DIR`` that holds nothing but ``.ckpt`` files (the pointers then name ``URL``);
 - a new run (a new plugin, or one used again after ``teardown``) never reuses another run's step:
   a second run into the same ``DIR`` saves its own step 500 in its own root, even while the first
   run's step 500 is there (Lightning then names the file ``...-v1.ckpt``, as with its own I/O);
@@ -54,12 +55,13 @@ from ckptmgr.layout import parse_step_name
 from ckptmgr.manager import CheckpointManager
 from ckptmgr.storage import open_storage
 
-__all__ = ["DATA_DIR", "POINTER_KEY", "RUN_KEY", "CkptmgrCheckpointIO"]
+__all__ = ["DATA_DIR", "POINTER_KEY", "ROOT_KEY", "RUN_KEY", "CkptmgrCheckpointIO"]
 
 log = logging.getLogger("ckptmgr")
 
 POINTER_KEY = "ckptmgr_step"
 RUN_KEY = "ckptmgr_run"  # the run root under DATA_DIR (absent in pointers of plugin 0.1 roots)
+ROOT_KEY = "ckptmgr_root"  # where the run roots are, when not DIR/DATA_DIR (the root= argument)
 DATA_DIR = ".ckptmgr"  # hidden beside the .ckpt files: one root per run under it
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MAX_POINTER = 4096
@@ -157,9 +159,11 @@ class _Run(CheckpointListener):
     ``on_save_end`` runs on the writer thread for async saves; everything else on the caller's.
     """
 
-    def __init__(self, dirpath: str, name: str, mgr: CheckpointManager, storage: Any) -> None:
+    def __init__(self, dirpath: str, name: str, mgr: CheckpointManager, storage: Any,
+                 runs_root: str | None) -> None:
         self.dirpath = dirpath
         self.name = name
+        self.runs_root = runs_root  # the root= argument, or None: DIR/DATA_DIR
         self.mgr = mgr
         self.storage = storage  # DIR's, for the pointer files
         self.lock = threading.Lock()
@@ -168,7 +172,10 @@ class _Run(CheckpointListener):
         self.names: dict[str, int] = {}  # pointer file -> the step it points to
 
     def pointer(self, step: int) -> bytes:
-        return json.dumps({POINTER_KEY: step, RUN_KEY: self.name}).encode("utf-8")
+        doc: dict[str, Any] = {POINTER_KEY: step, RUN_KEY: self.name}
+        if self.runs_root is not None:
+            doc[ROOT_KEY] = self.runs_root
+        return json.dumps(doc).encode("utf-8")
 
     def point(self, step: int, name: str) -> None:
         """Write the pointer ``name`` -> ``step`` now (the step may still be in flight)."""
@@ -207,8 +214,8 @@ class _Run(CheckpointListener):
 class CkptmgrCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves through :class:`~ckptmgr.CheckpointManager`.
 
-    Steps go into ``DIR/.ckptmgr/RUN/`` (a new root per run; see the module docstring), pointer
-    files at Lightning's paths.
+    Steps go into ``DIR/.ckptmgr/RUN/`` (or ``root/RUN/``; a new root per run and directory; see
+    the module docstring), pointer files at Lightning's paths.
 
     Args:
         async_save: save in the background (the state is captured, and the pointer file written,
@@ -218,6 +225,9 @@ class CkptmgrCheckpointIO(CheckpointIO):
         storage_options: fsspec options of the root (endpoint, credentials, ...).
         trusted: allow checkpoint values that need pickle (e.g. custom hyper-parameter objects);
             leave False unless you trust whoever writes the root.
+        root: where the runs' roots go (``root/RUN``, any URL; the pointers name it), for a
+            checkpoint directory that holds nothing but Lightning's ``.ckpt`` files. None (the
+            default): ``DIR/.ckptmgr/RUN``, so the directory moves and syncs as one.
         **manager_kwargs: any other :class:`~ckptmgr.CheckpointManager` keyword (``keep_period``,
             ...). ``chkpt_on_preemption`` and ``save_on_close`` default to False: Lightning
             decides when to save, and handles preemption itself. ``overwrite`` defaults to True:
@@ -227,8 +237,12 @@ class CkptmgrCheckpointIO(CheckpointIO):
 
     def __init__(self, *, async_save: bool = True, max_to_keep: int | None = None,
                  verify: bool = True, storage_options: Mapping[str, Any] | None = None,
-                 trusted: bool = False, **manager_kwargs: Any) -> None:
+                 trusted: bool = False, root: str | None = None,
+                 **manager_kwargs: Any) -> None:
         super().__init__()
+        if root is not None and (not isinstance(root, str) or not root.strip("/")):
+            raise ConfigError(f"root must be a directory path or URL (a str), got {root!r}")
+        self.root = None if root is None else root.rstrip("/")
         self.async_save = async_save
         self.trusted = trusted
         self.storage_options = dict(storage_options or {})
@@ -247,10 +261,13 @@ class CkptmgrCheckpointIO(CheckpointIO):
         run = self._runs.get(dirpath)
         if run is None:
             name = _run_name()
-            root = f"{dirpath.rstrip('/')}/{DATA_DIR}/{name}"
+            runs = self.root if self.root is not None else f"{dirpath.rstrip('/')}/{DATA_DIR}"
+            root = f"{runs}/{name}"
             mgr = CheckpointManager(root, 1, storage_options=self.storage_options or None,
                                     **self._kwargs)
-            run = _Run(dirpath, name, mgr, open_storage(dirpath, self.storage_options or None))
+            storage = open_storage(dirpath, self.storage_options or None)
+            storage.makedirs("")  # with root= elsewhere, nothing else creates DIR
+            run = _Run(dirpath, name, mgr, storage, self.root)
             mgr.add_listener(run)
             self._runs[dirpath] = run
             log.info("lightning: this run saves the steps of %s under %s", dirpath, root)
@@ -289,8 +306,8 @@ class CkptmgrCheckpointIO(CheckpointIO):
         """The manager to read ``root`` with: this run's (after its save in flight), or a
         read-only one (another run's root; no lease taken)."""
         for run in self._runs.values():
-            if run.mgr.path.rstrip("/") == root.rstrip("/") or \
-                    f"{run.dirpath.rstrip('/')}/{DATA_DIR}/{run.name}" == root:
+            runs = run.runs_root or f"{run.dirpath.rstrip('/')}/{DATA_DIR}"
+            if run.mgr.path.rstrip("/") == root.rstrip("/") or f"{runs}/{run.name}" == root:
                 run.mgr.join()
                 return run.mgr
         if root not in self._readers:
@@ -325,11 +342,15 @@ class CkptmgrCheckpointIO(CheckpointIO):
                 if run_name is not None and (not isinstance(run_name, str)
                                              or _RUN_NAME.fullmatch(run_name) is None):
                     raise ValueError(f"run name {run_name!r}")
+                runs_root = doc.get(ROOT_KEY)
+                if runs_root is not None and (run_name is None or not isinstance(runs_root, str)
+                                              or not runs_root.strip("/")):
+                    raise ValueError(f"root {runs_root!r}")
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ConfigError(f"{path} is not a ckptmgr pointer file (a checkpoint saved "
                                   "without CkptmgrCheckpointIO?)") from e
             if run_name is not None:  # else: a root of the plugin before runs, DIR itself
-                root = f"{dirpath.rstrip('/')}/{DATA_DIR}/{run_name}"
+                root = f"{runs_root or dirpath.rstrip('/') + '/' + DATA_DIR}/{run_name}"
         mgr = self._reader(root)
         if step not in mgr.all_steps():
             raise CheckpointNotFoundError(
