@@ -106,7 +106,7 @@ EOF
 
 run() {  # run NAME SWAP [ROOT]: one pass over the suite, junit XML into WORK/NAME.xml
     (cd "$WORK/lightning/tests" &&
-     CKPTMGR_SWAP="$2" CKPTMGR_SWAP_ROOT="${4:-}" PYTHONPATH="$WORK/deps:$WORK/lightning/tests${PYTHONPATH:+:$PYTHONPATH}" \
+     CKPTMGR_SWAP="$2" CKPTMGR_SWAP_ROOT="${3:-}" PYTHONPATH="$WORK/deps:$WORK/lightning/tests${PYTHONPATH:+:$PYTHONPATH}" \
      timeout "$SUITE_TIMEOUT" "$PYTHON" -m pytest tests_pytorch/checkpointing -q \
         -p no:cacheprovider -p ckptmgr_swap --timeout 300 --color=no \
         --ignore=tests_pytorch/checkpointing/test_legacy_checkpoints.py \
