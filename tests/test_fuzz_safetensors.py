@@ -59,7 +59,13 @@ def test_generated_safetensors_entries(fuzz_sandbox: Sandbox, fuzz_templates: di
     header, body = split_safetensors(t["safetensors"])
     name = data.draw(st.sampled_from(("w", "b", "h", "i")), label="tensor")
     entry = dict(header[name])
-    if data.draw(st.booleans(), label="change offsets"):
+    how = data.draw(st.sampled_from(("keep", "shift", "shift", "any")), label="offsets")
+    if how == "shift":  # the right length, in the wrong place: before, over or past the data
+        start, end = entry["data_offsets"]
+        delta = data.draw(st.sampled_from((-start - 8, -start - 96, -(2**62), 2**62, len(body),
+                                           len(body) - end + 4, -1)), label="shift")
+        entry["data_offsets"] = [start + delta, end + delta]
+    elif how == "any":
         entry["data_offsets"] = [data.draw(_OFFSETS), data.draw(_OFFSETS)]
     if data.draw(st.booleans(), label="change shape"):
         entry["shape"] = data.draw(st.lists(st.sampled_from((0, 1, 2, 3, -1, 2**31, 2**62,
