@@ -199,6 +199,8 @@ _DOORS = {
     ("lease.py", "Lease.release"): "the lease file itself, only while it still names this writer",
     ("integrations/lightning.py", "CkptmgrCheckpointIO.remove_checkpoint"):
         "a pointer file in the user's Lightning directory, asked for by Lightning",
+    ("integrations/lightning.py", "_Run.drop_deleted"):
+        "a pointer file this plugin wrote, once retention deleted its step (issue 31)",
     ("tools/export.py", "*"): "export's own temporary files in the user's output directory",
 }
 
