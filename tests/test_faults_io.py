@@ -26,7 +26,8 @@ SEED = int(os.environ.get("CKPTMGR_FAULTS_SEED", "0"))
 def test_saves_and_restores_through_the_chaos_proxy(moto_s3: MotoS3, rate: float,
                                                      saves: int) -> None:
     """Every save and restore either is exact or raises our error; at rest nothing committed is
-    wrong or lost. At rate 0.35 some saves run out of retries: their errors are ours."""
+    wrong or lost. At rate 0.35 some calls run out of retries (with seed 0: one restore's
+    StorageError): their errors are ours."""
     _common.use_s3_server(moto_s3)
     report = proxy_loop(saves, SEED, rate=rate)
     assert sum(report.injected.values()) > 0, report.summary()
