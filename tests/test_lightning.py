@@ -213,16 +213,21 @@ def test_retention_removes_pointers_of_deleted_steps(tmp_path: Path) -> None:
         io2.teardown()
 
 
-def test_same_step_saved_again_with_changed_weights_is_saved_again(tmp_path: Path) -> None:
+def test_same_step_saved_again_with_changed_weights_keeps_both(tmp_path: Path) -> None:
     io = CkptmgrCheckpointIO(async_save=False)
     w = torch.zeros(3)
     try:
         io.save_checkpoint({"global_step": 5, "state_dict": {"w": w}}, str(tmp_path / "a.ckpt"))
         io.save_checkpoint({"global_step": 5, "state_dict": {"w": w}}, str(tmp_path / "b.ckpt"))
+        assert len(_runs(tmp_path)) == 1  # b.ckpt: the same tensors, saved once
         w.add_(1)  # e.g. a manual trainer.save_checkpoint after editing the weights
         io.save_checkpoint({"global_step": 5, "state_dict": {"w": w}}, str(tmp_path / "c.ckpt"))
         got = io.load_checkpoint(str(tmp_path / "c.ckpt"))
         assert torch.equal(got["state_dict"]["w"], torch.ones(3))
+        for old in ("a.ckpt", "b.ckpt"):  # still what they pointed to: never overwritten
+            assert torch.equal(io.load_checkpoint(str(tmp_path / old))["state_dict"]["w"],
+                               torch.zeros(3))
+        assert len(_runs(tmp_path)) == 2  # c.ckpt's step 5 went into a new run root
     finally:
         io.teardown()
 
@@ -249,3 +254,21 @@ def test_root_elsewhere_leaves_only_ckpt_files(tmp_path: Path) -> None:
     assert trainer.global_step == 10
     with pytest.raises(ckptmgr.ConfigError, match="root must be"):
         CkptmgrCheckpointIO(root="")
+
+
+def test_pointers_of_the_plugin_before_runs_still_load(tmp_path: Path) -> None:
+    io = CkptmgrCheckpointIO(async_save=False)
+    io.save_checkpoint({"global_step": 4, "state_dict": {"w": torch.arange(3.0)}},
+                       str(tmp_path / "a.ckpt"))
+    io.teardown()
+    # the earlier layout: steps in DIR itself, pointers without a run
+    (run,) = _runs(tmp_path)
+    for entry in run.iterdir():
+        entry.rename(tmp_path / entry.name)
+    (tmp_path / "a.ckpt").write_text(json.dumps({"ckptmgr_step": 4}))
+    io2 = CkptmgrCheckpointIO()
+    try:
+        got = io2.load_checkpoint(str(tmp_path / "a.ckpt"))
+        assert torch.equal(got["state_dict"]["w"], torch.arange(3.0))
+    finally:
+        io2.teardown()

@@ -22,7 +22,9 @@ How Lightning's file paths map onto steps (docs/integrations.md):
   (``{"ckptmgr_step": 500, "ckptmgr_run": RUN}``), so Lightning's file checks, versioning,
   ``save_last`` and ``fit(ckpt_path="last")`` see it at once, async save or not. ``last.ckpt``
   saved at the same step, with no tensor changed in place or replaced since, points to the same
-  step: nothing is written twice; a tensor changed at the same step saves the step again;
+  step: nothing is written twice (its Python values, such as the callbacks' bookkeeping, are the
+  first save's). Other tensors at a step this run saved (weights changed since, a weights-only
+  save) start a new run root, so every earlier pointer keeps reading what it pointed to;
 - loading a path reads its pointer (or, for a step directory ``DIR/.ckptmgr/RUN/500``, that
   step), waiting for this plugin's save in flight; a pointer whose step is not there (deleted by
   retention, or its save never committed) raises ``CheckpointNotFoundError`` saying so;
@@ -230,9 +232,7 @@ class CkptmgrCheckpointIO(CheckpointIO):
             default): ``DIR/.ckptmgr/RUN``, so the directory moves and syncs as one.
         **manager_kwargs: any other :class:`~ckptmgr.CheckpointManager` keyword (``keep_period``,
             ...). ``chkpt_on_preemption`` and ``save_on_close`` default to False: Lightning
-            decides when to save, and handles preemption itself. ``overwrite`` defaults to True:
-            only this run writes its root, and a step saved again with changed tensors replaces
-            the earlier save of that step.
+            decides when to save, and handles preemption itself.
     """
 
     def __init__(self, *, async_save: bool = True, max_to_keep: int | None = None,
@@ -248,7 +248,7 @@ class CkptmgrCheckpointIO(CheckpointIO):
         self.storage_options = dict(storage_options or {})
         self._kwargs: dict[str, Any] = {"max_to_keep": max_to_keep, "verify": verify,
                                         "chkpt_on_preemption": False, "save_on_close": False,
-                                        "overwrite": True, **manager_kwargs}
+                                        **manager_kwargs}
         self._runs: dict[str, _Run] = {}  # DIR -> this run's root there
         self._readers: dict[str, CheckpointManager] = {}  # other roots, read-only
 
@@ -295,7 +295,17 @@ class CkptmgrCheckpointIO(CheckpointIO):
         fingerprint = _fingerprint(flat)
         # e.g. last.ckpt after epoch=..-step=N.ckpt: the same tensors at the same step, saved
         # once. Only this run's steps count: another run's step N is never reused.
-        if run.saved.get(step) != fingerprint:
+        if step in run.saved and run.saved[step] != fingerprint:
+            # Step N of this run holds other tensors (weights changed since, or a weights-only
+            # save): the pointers to it must keep reading what they pointed to, so this save
+            # starts a new run root instead of overwriting the step.
+            log.info("lightning: step %d of run %s was saved with other tensors; %s starts a "
+                     "new run root", step, run.name, name)
+            del self._runs[dirpath]
+            run.mgr.close()
+            run.drop_deleted()
+            run = self._run(dirpath)
+        if step not in run.saved:
             save = run.mgr.save_async if self.async_save else run.mgr.save
             save(step, flat, force=True, metadata={"lightning": skeleton}, trusted=self.trusted)
             run.saved[step] = fingerprint
