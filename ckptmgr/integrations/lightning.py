@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import secrets
 import threading
@@ -242,6 +243,8 @@ class CkptmgrCheckpointIO(CheckpointIO):
         super().__init__()
         if root is not None and (not isinstance(root, str) or not root.strip("/")):
             raise ConfigError(f"root must be a directory path or URL (a str), got {root!r}")
+        if root is not None and "://" not in root:  # pointers must not depend on the cwd
+            root = os.path.abspath(root)
         self.root = None if root is None else root.rstrip("/")
         self.async_save = async_save
         self.trusted = trusted
