@@ -1068,6 +1068,8 @@ _ST_DTYPES = {
     "I32": torch.int32, "I64": torch.int64, "U16": torch.uint16, "U32": torch.uint32,
     "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
     "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "C64": torch.complex64,
 }
 
 

@@ -69,7 +69,8 @@ def test_generated_manifest_fields(fuzz_sandbox: Sandbox, fuzz_templates: dict[s
     if data.draw(st.booleans(), label="extra file entries"):
         entries = data.draw(st.lists(_FILE_ENTRY, min_size=1, max_size=3), label="entries")
         times = data.draw(st.sampled_from((1, 2, 100_000)), label="repeated")
-        doc["files"] = list(doc["files"]) + entries * times
+        files = doc["files"] if isinstance(doc["files"], list) else []
+        doc["files"] = files + entries * times
     raw = dump_json(doc)
     out = fuzz_sandbox.run("restore", root=t["root_v2"], step=1, edits={"commit.json": raw})
     check(out, "manifest", data=raw, ops=[f"set {k} = {v!r}"[:200] for k, v in changes.items()])
