@@ -574,13 +574,34 @@ class _StrictLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        # An alias can multiply a small file into an exponential structure (a "billion laughs"
+        # of nested aliases); a config never needs one.
+        if self.check_event(yaml.events.AliasEvent):
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed in a ckptmgr config: write the "
+                "value out", self.peek_event().start_mark)  # type: ignore[no-untyped-call]
+        return super().compose_node(parent, index)
+
+
+_MAX_CONFIG_BYTES = 1 << 20
+_MAX_CONFIG_DEPTH = 32
+
 
 def _read_yaml(path: str) -> Any:
     try:
         # Parse from the stream, not a string: marks then carry no snippet of the file's text,
         # which could hold a secret, into the original error kept as __cause__.
         with open(path, encoding="utf-8") as f:
+            if os.fstat(f.fileno()).st_size > _MAX_CONFIG_BYTES:
+                raise ConfigError(f"config file {path!r} is larger than "
+                                  f"{_MAX_CONFIG_BYTES} bytes; a ckptmgr config is a few lines")
             return yaml.load(f, Loader=_StrictLoader)  # a SafeLoader subclass
+    except ConfigError:
+        raise
+    except RecursionError as e:
+        raise ConfigError(f"config file {path!r} is nested too deeply to be a ckptmgr "
+                          "config") from e
     except FileNotFoundError as e:
         raise ConfigError(f"config file {path!r} does not exist") from e
     except OSError as e:
@@ -594,6 +615,30 @@ def _read_yaml(path: str) -> Any:
             where = f" at line {mark.line + 1}, column {mark.column + 1}"
         problem = getattr(e, "problem", None) or "syntax error"
         raise ConfigError(f"config file {path!r} is not valid YAML: {problem}{where}") from e
+    except ValueError as e:  # a scalar YAML cannot convert, e.g. an int of 4301+ digits
+        raise ConfigError(f"config file {path!r} holds a value that cannot be read: {e}") from e
+
+
+def _check_keys(data: Any, where: str, path: str = "", depth: int = 0) -> None:
+    """Every mapping key in a config is a str, and nesting is bounded.
+
+    Raises:
+        ConfigError: names the first key that is not a str (or where nesting goes too deep).
+    """
+    if path == "storage.options":
+        return  # the model's own rule for it names the field the same way
+    if depth > _MAX_CONFIG_DEPTH:
+        raise ConfigError(f"{where}{path or 'the config'} is nested deeper than "
+                          f"{_MAX_CONFIG_DEPTH} levels")
+    if isinstance(data, Mapping):
+        for key, value in data.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{where}{path + ' ' if path else ''}keys must be str, got "
+                                  f"{key!r}")
+            _check_keys(value, where, f"{path}.{key}" if path else key, depth + 1)
+    elif isinstance(data, (list, tuple)):
+        for i, value in enumerate(data):
+            _check_keys(value, where, f"{path}[{i}]", depth + 1)
 
 
 def check_flag(name: str, value: Any) -> bool:
@@ -643,6 +688,7 @@ def load_config(
     else:
         raise ConfigError("config must be a ManagerConfig, a YAML file path or a mapping, got "
                           f"{type(source).__name__}")
+    _check_keys(data, where)
     if env_path is not None:
         log.info("config path replaced by $%s", PATH_ENV_VAR)
         data = {**data, "path": env_path}

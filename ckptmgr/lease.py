@@ -154,9 +154,14 @@ class LeaseInfo:
                    expires=float(expires), pid_ns=pid_ns)
 
 
+_MAX_TIME = 1e11  # Unix seconds (the year 5138): beyond it a time is not one any clock wrote
+
+
 def _is_time(value: Any) -> bool:
+    """A finite number of Unix seconds within what clocks write (compared, so 2**70 and NaN
+    are refused here, not by ``time.gmtime`` later)."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+            and math.isfinite(value) and -_MAX_TIME <= value <= _MAX_TIME)
 
 
 def _pid_max() -> int:
