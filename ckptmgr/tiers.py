@@ -73,7 +73,7 @@ from ckptmgr.lease import Lease
 from ckptmgr.manifest import Manifest
 from ckptmgr.policy import StepRecord, steps_to_delete
 from ckptmgr.step_store import CommitPlan, StepStore
-from ckptmgr.storage import open_storage
+from ckptmgr.storage import open_storage, retry_budget
 
 __all__ = ["LAYOUT_KEY", "DurableOutcome", "LocalTier", "durable_after_commit", "local_view",
            "save_durable"]
@@ -579,6 +579,14 @@ def restore_durable(store: StepStore, step: int, state_dict: Mapping[str, Any], 
     overwritten by the job writing the root while it is read is read again, so the result is
     the old or the new version, never a mix, and never a false "damaged".
     """
+    with retry_budget():  # one budget for the whole restore: its reads, re-reads and checks
+        return _restore_durable(store, step, state_dict, comm, foreign=foreign, planner=planner,
+                                allow_partial=allow_partial, trusted=trusted, verify=verify)
+
+
+def _restore_durable(store: StepStore, step: int, state_dict: Mapping[str, Any], comm: Comm, *,
+                     foreign: bool, planner: str, allow_partial: bool, trusted: bool,
+                     verify: bool) -> int:
     if foreign:
         prepared_foreign = comm.agree(lambda: prepare_foreign_restore(
             store.storage, step, state_dict, planner=planner, allow_partial=allow_partial,

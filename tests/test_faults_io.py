@@ -49,10 +49,6 @@ def test_outage_fails_a_save_within_its_retry_budget(outage_report: OutageReport
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "open at HEAD: with the store gone, restore reads the manifest under one retry budget, then "
-    "deleted_while_read (Trust I defect 8) reads it again under a fresh one: two budgets "
-    "(ckptmgr/tiers.py restore_durable; python -m faults.proxy_loop --outage)"))
 def test_outage_fails_a_restore_within_its_retry_budget(outage_report: OutageReport) -> None:
     check_outage(outage_report, "restore")
 
