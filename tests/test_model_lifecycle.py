@@ -273,6 +273,9 @@ class Lifecycle(RuleBasedStateMachine):
                     return Expect(step, v, raises=CheckpointExistsError, due=True)
             else:
                 durable = "new"
+        if local_due and durable is None and (durable_due or step in self.durable
+                                              or step in self.foreign_steps):
+            local_due = False  # one step, one version: the durable tier keeps its copy
         if durable is None and not local_due:
             return Expect(step, v, due=durable_due or local_due)
         return Expect(step, v, returns=True, durable=durable, local=local_due, due=True)
