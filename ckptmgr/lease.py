@@ -324,6 +324,8 @@ class Lease:
         """(under ``_lock``, holder only) Write our lease with a new expiry over ``current``
         (what storage holds now), then read it back: another id there means we lost it."""
         assert self.info is not None
+        if self._lost is not None:  # lost for good (another writer held it): never write again
+            return
         if current is not None and current.id != self.info.id:
             self._mark_lost(f"the lease is now held by {current.describe()}")
             return
@@ -383,7 +385,9 @@ class Lease:
             else:
                 with self._lock:
                     try:
-                        self._extend(current)
+                        # Read again under the lock: the renewal thread may have seen another
+                        # holder meanwhile, and a stale read must never be written over it.
+                        self._extend(self.read())
                     except StorageError as e:
                         raise LeaseError(f"{self.storage.url}: could not take the writer lease "
                                          f"back: {e}; nothing was changed") from e

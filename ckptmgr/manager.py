@@ -12,6 +12,7 @@ per root), :mod:`ckptmgr.dcp.checkpoint` (one trip into the DCP core per save or
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import signal
@@ -90,12 +91,25 @@ class _Given:
 
 
 def _versions(state_dict: Mapping[str, Any]) -> tuple[Any, ...]:
-    """Where each tensor of the state lives and how often it was modified in place: equal
-    before and after only if no tensor was replaced or changed in place in between."""
+    """Where each tensor of the state lives and how often it was modified in place, and a digest
+    of every other value (a data loader's position, random generator states, counters): equal
+    before and after only if nothing was replaced or changed in between. Writes through
+    ``tensor.data`` bypass the version counter and are not seen (docs/quickstart.md).
+
+    Raises:
+        ConfigError: flattening the state failed (a ``state_dict()`` of the user's raised).
+    """
     from torch.distributed.tensor import DTensor
 
+    try:
+        flat = flatten_state(state_dict).flat
+    except CkptmgrError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"reading the state (its state_dict() methods) failed: "
+                          f"{type(e).__name__}: {e}") from e
     out: list[Any] = []
-    for key, value in sorted(flatten_state(state_dict).flat.items()):
+    for key, value in sorted(flat.items()):
         if isinstance(value, torch.Tensor):
             t = value.to_local() if isinstance(value, DTensor) else value
             try:
@@ -103,6 +117,8 @@ def _versions(state_dict: Mapping[str, Any]) -> tuple[Any, ...]:
             except (RuntimeError, NotImplementedError):  # tensors without storage (XLA)
                 where = id(value)
             out.append((key, where, t._version, tuple(t.shape), t.dtype))
+        else:
+            out.append((key, hashlib.blake2b(repr(value).encode(), digest_size=16).digest()))
     return tuple(out)
 
 
@@ -212,6 +228,7 @@ class CheckpointManager:
         self._local: LocalTier | None = None  # the node-local tier (ckptmgr.tiers)
         self._given: _Given | None = None  # the newest step given and not saved (close())
         self._closing = False  # close() is saving the last step given
+        self._exit_failing: bool | None = None  # set by __exit__: left by an exception
         # Two gloo groups of our own, each used by one thread only (two threads issuing
         # collectives on one group deadlock): the caller's thread, and the background writer.
         self._caller = self._worker = Comm(None)
@@ -392,13 +409,16 @@ class CheckpointManager:
             AsyncSaveError: the save in flight failed.
             The errors of :meth:`save`, for the save on close.
         """
-        self._close(failing=sys.exc_info()[0] is not None)
+        failing = self._exit_failing
+        self._close(failing=sys.exc_info()[0] is not None if failing is None else failing)
 
     def _close(self, *, failing: bool) -> None:
         if self._closed:
             return
         try:
             self.join()
+            if self._given is not None:  # every rank has one alike (saves are collective)
+                failing = self._caller.any(failing)  # an exception on one rank stops them all
             if not failing:
                 self._save_on_close()
         finally:
@@ -410,14 +430,22 @@ class CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()  # sys.exc_info() holds the exception a with block is left by
+        # Whether the block is left by an exception is what counts here, not sys.exc_info()
+        # (which also shows an exception handled around the block).
+        self._exit_failing = exc[0] is not None
+        try:
+            self.close()
+        finally:
+            self._exit_failing = None
 
     def _remember(self, req: _Request, state_dict: Mapping[str, Any]) -> None:
         """(caller thread) Note a step given but not saved, for close()."""
         if self.config.read_only or (self._given is not None and req.step < self._given.step):
             return
         first = self._given.first if self._given is not None else req.step
-        self._given = _Given(req.step, first, state_dict, req, _versions(state_dict))
+        versions = self._caller.agree(lambda: _versions(state_dict)) if (
+            self.config.save_on_close) else ()
+        self._given = _Given(req.step, first, state_dict, req, versions)
 
     def _save_on_close(self) -> None:
         """(collective) The final save of a normal close(), or the warning that it was not
@@ -434,7 +462,8 @@ class CheckpointManager:
                 "committed) and save_on_close=False; pass force=True on the last step to save "
                 "it", RuntimeWarning, stacklevel=3)
             return
-        if self._caller.any(_versions(given.state_dict) != given.versions):
+        changed = self._caller.agree(lambda: _versions(given.state_dict) != given.versions)
+        if self._caller.any(changed):
             warnings.warn(
                 f"close(): {steps} not saved: the state changed after save/save_async was "
                 f"called with step {given.step} ({after} is committed), so it no longer is "
@@ -461,6 +490,9 @@ class CheckpointManager:
             The errors of :meth:`restore`.
         """
         self._check_open()
+        check_state_dict(state_dict)
+        if self.config.read_only:  # a reader's view is from when it opened: look again
+            self._view = self._caller.on_coordinator(self._scan)
         step = self.latest_step()
         if step is None:
             return None
@@ -642,15 +674,18 @@ class CheckpointManager:
         log.warning("preemption (signal %d) agreed at step %d: saving it before exiting",
                     signum, req.step)
         self._preempted_step = req.step
+        self._given = None  # this is the last checkpoint: close() saves nothing after it
         try:
             with stop_if_stuck(self._writer, self.config.preemption.grace_s / 3):
                 self.join()
         except AsyncSaveError as e:  # the last checkpoint matters more than the one before it
             log.error("the save before the preemption failed: %s", e)
         if self._local is not None:  # the fast tier first, the durable one if the grace allows
-            ready = self._prepare(req, state_dict, on_exists="skip", durable=False, local=True)
+            local_ready = self._prepare(req, state_dict, on_exists="skip", durable=False,
+                                        local=True)
             try:
-                self._write(ready, ready.prepared.flat, self._caller, None)  # type: ignore
+                if isinstance(local_ready, _Ready):  # False: the durable tier holds the step
+                    self._write(local_ready, local_ready.prepared.flat, self._caller, None)
             except SaveError as e:
                 log.error("the local-tier preemption save failed: %s", e)
         fits = self._local is None or self._caller.on_coordinator(lambda: durable_fits(
@@ -686,16 +721,24 @@ class CheckpointManager:
             if local_err is not None:
                 raise local_err
             return
-        if self._writer is not None and wire is not None:  # in the writer process
-            out = self._writer.save(DurableJob(plan, req.trusted, wire, self._view.records,
-                                               sorted(self._view.foreign)),
-                                    self._stager.take_retired())
-        else:
-            out = save_durable(
-                self._store, flat, plan, comm, planner=self._planners.get(ready.prepared.spmd),
-                trusted=req.trusted, num_threads=self.config.async_.num_of_threads,
-                fence=self._check_lease, records=self._view.records, policy=self._policy,
-                dcp_steps=self._view.foreign)
+        try:
+            if self._writer is not None and wire is not None:  # in the writer process
+                out = self._writer.save(DurableJob(plan, req.trusted, wire, self._view.records,
+                                                   sorted(self._view.foreign)),
+                                        self._stager.take_retired())
+            else:
+                out = save_durable(
+                    self._store, flat, plan, comm,
+                    planner=self._planners.get(ready.prepared.spmd), trusted=req.trusted,
+                    num_threads=self.config.async_.num_of_threads, fence=self._check_lease,
+                    records=self._view.records, policy=self._policy,
+                    dcp_steps=self._view.foreign)
+        except BaseException:
+            if plan.overwrite and ready.local and local_err is None and self._local is not None:
+                # The local tier holds the new version, the root still the old one: one step,
+                # two versions. The local copy goes (the failure is agreed on every rank).
+                self._local.forget(req.step)
+            raise
         self._view = _View(out.records, frozenset(out.dcp_steps))
         stats = SaveStats(
             step=plan.step,

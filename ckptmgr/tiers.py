@@ -311,18 +311,27 @@ class LocalTier:
         those beyond the ``max_to_keep`` newest whole ones (a newer step committed on every
         rank) and those that are not whole (not restorable from this tier)."""
         mine: list[int] = []
+        listed = self.store is not None
         if self.store is not None:
             try:
                 mine = self.store.scan().committed
             except StorageError as e:
+                listed = False
                 log.warning("local tier %s: listing failed: %s", self.root, e)
         for s in [s for s in mine if s not in self._saves and s not in self._bad]:
             self._bad.add(s)  # committed here, but by no save this rank knows: not trusted
         held = [_Held(s, s not in self._bad, self._saves.get(s)) for s in mine]
-        whole = _whole(comm.all_gather(held), comm.world_size)
+        gathered = comm.all_gather((held, listed))
+        whole = _whole([g[0] for g in gathered], comm.world_size)
         self.steps = sorted(whole)[-self.max_to_keep:]
         self._agreed_saves = {s: whole[s] for s in self.steps}
         if self.store is None or self._read_only:
+            return
+        if not all(g[1] for g in gathered):
+            # A rank that could not list reports nothing: that says nothing about its steps,
+            # so no rank deletes one on its word (the next save's agreement tries again).
+            log.warning("local tier %s: a rank could not list its local steps; local retention "
+                        "waits for the next save", self.root)
             return
         for s in mine:  # every removal goes through the store's fenced door
             if s in self.steps:
@@ -341,6 +350,13 @@ class LocalTier:
             self.store.remove_leftovers(self.store.scan())
         except CkptmgrError as e:
             log.warning("local tier %s: could not remove leftovers: %s", self.root, e)
+
+    def forget(self, step: int) -> None:
+        """(every rank alike) ``step`` is no longer whole here: not listed, not restored, and
+        deleted at the next local save's agreement."""
+        self._bad.add(step)
+        self.steps = [s for s in self.steps if s != step]
+        self._agreed_saves.pop(step, None)
 
     # --------------------------------------------------------------------------- reading
 
@@ -469,8 +485,11 @@ def _whole(held: list[list[_Held]], world_size: int) -> dict[int, str | None]:
             if h.ok:
                 counts[h.step] = counts.get(h.step, 0) + 1
                 saves.setdefault(h.step, set()).add(h.save)
+    # A step written before save ids existed (None on every rank) cannot show that every rank
+    # holds the same save of it: whole only where one rank is all there is.
     return {s: next(iter(saves[s])) for s in sorted(counts)
-            if counts[s] == world_size and len(saves[s]) == 1}
+            if counts[s] == world_size and len(saves[s]) == 1
+            and (world_size == 1 or None not in saves[s])}
 
 
 @dataclass(frozen=True)

@@ -152,3 +152,66 @@ def _ranks_close(rank: int, world: int, root: str) -> list[int]:
 def test_close_saves_on_every_rank(tmp_path: Path) -> None:
     res = run_ranks(_ranks_close, 2, str(tmp_path / "root"), timeout_s=120)
     assert res == [[0, 4, 6], [0, 4, 6]]
+
+
+def test_a_changed_python_value_is_a_change(tmp_path: Path) -> None:
+    state = {"w": torch.zeros(3), "loader": {"position": 3}}
+    m = ckptmgr.CheckpointManager(str(tmp_path), save_interval=10)
+    m.save(3, state)
+    state["loader"]["position"] = 4  # the data loader moved on: not step 3's state any more
+    with pytest.warns(RuntimeWarning, match="step 3 not saved"):
+        m.close()
+    assert not (tmp_path / "3").exists()
+
+
+def test_a_with_block_left_normally_inside_an_except_clause_saves(tmp_path: Path) -> None:
+    state = {"w": torch.zeros(3)}
+    try:
+        raise KeyError("handled")
+    except KeyError:
+        with ckptmgr.CheckpointManager(str(tmp_path), save_interval=10) as m:
+            m.save(3, state)
+    assert (tmp_path / "3" / "commit.json").exists()
+
+
+def test_restore_latest_on_a_reader_sees_steps_committed_after_it_opened(tmp_path: Path) -> None:
+    with ckptmgr.CheckpointManager(str(tmp_path), save_interval=1) as w:
+        w.save(1, {"w": torch.ones(2)})
+        with ckptmgr.CheckpointManager(str(tmp_path), save_interval=1, read_only=True) as r:
+            w.save(2, {"w": torch.full((2,), 2.0)})
+            got = {"w": torch.zeros(2)}
+            assert r.restore_latest(got) == 2 and float(got["w"][0]) == 2.0
+            with pytest.raises(ConfigError):
+                r.restore_latest([1, 2])  # type: ignore[arg-type]
+
+
+def test_preemption_at_a_step_the_root_holds_with_a_local_tier(tmp_path: Path) -> None:
+    """The preemption save of a step the durable tier holds skips the local tier (one step,
+    one version) and is still acknowledged: no raw error."""
+    fire = iter([False, True])
+    with ckptmgr.CheckpointManager(str(tmp_path / "root"), save_interval=10,
+                                   local_path=str(tmp_path / "local"), local_interval=5,
+                                   exit_on_preemption=False,
+                                   preemption_check=lambda: next(fire, False)) as m:
+        state = {"w": torch.ones(2)}
+        assert m.save(10, state)
+        assert m.save(10, state)  # preemption agreed here: step 10 is the last checkpoint
+        assert m.reached_preemption(10)
+        assert m.all_steps() == [10]
+
+
+def _one_rank_fails(rank: int, world: int, root: str) -> list[int]:
+    state = {"w": torch.zeros(4)}
+    try:
+        with ckptmgr.CheckpointManager(root, save_interval=10) as m:
+            m.save(3, state)
+            if rank == 1:
+                raise KeyError("rank 1 failed mid-step")
+    except KeyError:
+        pass
+    with ckptmgr.CheckpointManager(root, save_interval=10, read_only=True) as r:
+        return r.all_steps()
+
+
+def test_an_exception_on_one_rank_stops_the_final_save_on_all(tmp_path: Path) -> None:
+    assert run_ranks(_one_rank_fails, 2, str(tmp_path / "root"), timeout_s=120) == [[], []]
