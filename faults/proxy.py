@@ -9,7 +9,11 @@ Each request is, with probability ``rate``, given one fault drawn from ``kinds``
 - ``500`` / ``503``: an S3 error answer (InternalError / SlowDown) instead of the server's;
 - ``slow``: the answer comes after a random pause (up to ``slow_s``);
 - ``truncate``: the server's answer goes out with its full ``Content-Length`` but only part of
-  the body, then the connection closes.
+  the body, then the connection closes;
+- ``hang``: the request is read (the connection accepted, the request never forwarded) and never
+  answered: the connection stays open and silent until ``hang_s`` has passed or the proxy stops,
+  then it is reset. A store that hangs rather than refuses: only the client's own connect/read
+  time-outs end such a request (Trust I defect 15).
 
 The draws come from one seeded generator; requests on several threads arrive in an order the seed
 does not fix, so a seed reproduces the mix of faults, not the exact sequence.
@@ -35,18 +39,22 @@ assert TESTS  # importing _common put tests/ on the path: _servers comes from th
 from _servers import HOST, S3_ERROR_BODIES, free_port  # noqa: E402
 
 KINDS = ("reset", "reset-after", "500", "503", "slow", "truncate")
+EXTRA_KINDS = ("hang",)
+"""Kinds a proxy knows but does not draw unless asked (a hang costs a client time-out each)."""
 
 
 class ChaosProxy:
     """See the module docstring. ``enabled`` turns the faults on and off (forwarding goes on)."""
 
     def __init__(self, upstream: str, *, seed: int = 0, rate: float = 0.05,
-                 kinds: tuple[str, ...] = KINDS, slow_s: float = 0.3,
+                 kinds: tuple[str, ...] = KINDS, slow_s: float = 0.3, hang_s: float = 600.0,
                  spare: Callable[[str, str], bool] | None = None) -> None:
-        unknown = set(kinds) - set(KINDS)
+        unknown = set(kinds) - set(KINDS) - set(EXTRA_KINDS)
         if unknown:
-            raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: {KINDS}")
-        self.rate, self.kinds, self.slow_s = rate, kinds, slow_s
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}; known: "
+                             f"{KINDS + EXTRA_KINDS}")
+        self.rate, self.kinds, self.slow_s, self.hang_s = rate, kinds, slow_s, hang_s
+        self._stopped = threading.Event()  # releases the hanging requests
         self.enabled = True
         self.spare = spare  # (method, path) -> True: never given a fault
         self.injected: Counter[str] = Counter()
@@ -98,6 +106,11 @@ class ChaosProxy:
                 body = self._body()
                 kind, pause = proxy._draw(self.command, self.path)
                 if kind == "reset":
+                    self._reset()
+                    return
+                if kind == "hang":
+                    # Accepted, read, never answered: the client waits for its own time-out.
+                    proxy._stopped.wait(proxy.hang_s)
                     self._reset()
                     return
                 if kind in ("500", "503"):
@@ -158,6 +171,7 @@ class ChaosProxy:
             return kind, self._rng.uniform(0.0, self.slow_s)
 
     def stop(self) -> None:
-        """Stop serving."""
+        """Stop serving (hanging requests are reset)."""
+        self._stopped.set()
         self._server.shutdown()
         self._server.server_close()

@@ -194,12 +194,20 @@ class OutageReport:
                 "restore_s": round(self.restore_s, 2), "saved_after": self.saved_after}
 
 
-def outage(seed: int = 0, *, budget_s: float = 4.0, use_async: bool = True) -> OutageReport:
+def outage(seed: int = 0, *, budget_s: float = 4.0, use_async: bool = True,
+           kinds: tuple[str, ...] = ("503", "reset"),
+           client_timeout_s: float | None = None) -> OutageReport:
     """The S3 server becomes unreachable for good (every request through the proxy answered 503
     or reset, except the lease file's, so that the save gets past its lease check and meets the
     outage in its writes) during a save and a restore: each must fail with our error, and the
     time each took is recorded (:func:`check_outage` compares it with the retry budget); when
     the server is back, the same manager saves again.
+
+    ``kinds=("hang",)``: the server hangs instead of refusing (requests accepted, never
+    answered), so each request ends only at the client's time-out; ``client_timeout_s`` sets the
+    S3 client's connect and read time-outs (botocore's ``connect_timeout``/``read_timeout``,
+    through ``storage_options``' ``config_kwargs``; default 60 s each, which is what made a
+    hanging store's save take 124-141 s against a 90 s budget, Trust I defect 15).
 
     Raises:
         FaultFound: a save or restore succeeded, raised a foreign error, or the same manager
@@ -213,12 +221,13 @@ def outage(seed: int = 0, *, budget_s: float = 4.0, use_async: bool = True) -> O
     # Many attempts: the budget, not the count of attempts, must end each failing call.
     with fast_retries(budget_s, max_attempts=1000), open_root("s3") as root:
         plant_foreign(root)
-        proxy = ChaosProxy(root.server.endpoint_url, seed=seed, rate=1.0,
-                           kinds=("503", "reset"),
+        proxy = ChaosProxy(root.server.endpoint_url, seed=seed, rate=1.0, kinds=kinds,
                            spare=lambda method, path: path.split("?")[0].endswith(LEASE))
         proxy.enabled = False
-        opts = root.server.storage_options(endpoint_url=proxy.url,
-                                           config_kwargs={"retries": {"max_attempts": 0}})
+        config: dict[str, Any] = {"retries": {"max_attempts": 0}}
+        if client_timeout_s is not None:
+            config.update(connect_timeout=client_timeout_s, read_timeout=client_timeout_s)
+        opts = root.server.storage_options(endpoint_url=proxy.url, config_kwargs=config)
         mgr = Root("s3", root.url, opts).manager(read_only=False, max_to_keep=MAX_TO_KEEP)
         try:
             train_step(model, opt, 0)
@@ -308,11 +317,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--outage", action="store_true",
                    help="instead: the server gone for good during a save and a restore")
+    p.add_argument("--hang", type=float, metavar="TIMEOUT_S", default=None,
+                   help="with --outage: the server hangs instead of refusing; the S3 client's "
+                        "connect/read time-outs are TIMEOUT_S")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     try:
         if a.outage:
-            out = outage(a.seed)
+            out = (outage(a.seed) if a.hang is None else
+                   outage(a.seed, kinds=("hang",), client_timeout_s=a.hang))
             print(json.dumps(out.summary()))
             check_outage(out, "save")
             check_outage(out, "restore")
@@ -320,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         rep = proxy_loop(a.saves, a.seed, rate=a.rate, kinds=tuple(a.kinds.split(",")),
                          log=(lambda m: print(m, file=sys.stderr)) if a.verbose else None)
     except FaultFound as e:
-        again = "--outage" if a.outage else f"--saves {a.saves} --rate {a.rate} --kinds {a.kinds}"
+        hang = f" --hang {a.hang}" if a.hang is not None else ""
+        again = f"--outage{hang}" if a.outage else \
+            f"--saves {a.saves} --rate {a.rate} --kinds {a.kinds}"
         print(f"FAULT FOUND: {e}\nreproduce: python -m faults.proxy_loop {again} "
               f"--seed {a.seed}", file=sys.stderr)
         return 1

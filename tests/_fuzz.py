@@ -616,7 +616,7 @@ def child_main(case_path: str, result_path: str) -> None:
     out = Outcome("ok")
     try:
         with case_tempdir():
-            out.info = TARGETS[target](**kwargs)
+            out.info = resolve_target(target)(**kwargs)
     except OracleError as e:
         out = Outcome("wrong", exc_type="OracleError", message=str(e),
                       tb=traceback.format_exc())
@@ -889,10 +889,19 @@ def _target_restore(root: str, step: int, edits: Mapping[str, bytes | None],
 def _target_crafted_chunks(root: str, step: int, metadata_name: str, fqn: str,
                            chunks: Sequence[tuple[Sequence[int], Sequence[int]]], fmt: int,
                            column: str) -> dict[str, Any]:
-    """Restore after replacing the chunk list of tensor ``fqn`` by ``chunks`` (offsets, sizes),
-    each pointing at the bytes of the saved tensor that its box would hold (row-major, so the
-    location is right for boxes of whole rows) with their true checksum: only the chunk list is a
-    lie. Format 2 (chunk ``column`` kind "q" packed int64 or "r" JSON runs) or format 1."""
+    """Restore after replacing the chunk list of tensor ``fqn`` by ``chunks``
+    (:func:`crafted_chunks_metadata`)."""
+    meta = crafted_chunks_metadata(root, step, metadata_name, fqn, chunks, fmt, column)
+    return _target_restore(root, step, {metadata_name: meta})
+
+
+def crafted_chunks_metadata(root: str, step: int, metadata_name: str, fqn: str,
+                            chunks: Sequence[tuple[Sequence[int], Sequence[int]]], fmt: int,
+                            column: str) -> bytes:
+    """The step's metadata with the chunk list of tensor ``fqn`` replaced by ``chunks`` (offsets,
+    sizes), each pointing at the bytes of the saved tensor that its box would hold (row-major, so
+    the location is right for boxes of whole rows) with their true checksum: only the chunk list
+    is a lie. Format 2 (chunk ``column`` kind "q" packed int64 or "r" JSON runs) or format 1."""
     step_dir = os.path.join(root, str(step))
     with open(os.path.join(step_dir, metadata_name), "rb") as f:
         v2 = f.read()
@@ -944,7 +953,7 @@ def _target_crafted_chunks(root: str, step: int, metadata_name: str, fqn: str,
              "length": max(0, math.prod(s)) * itemsize, "checksum": c, "enc": "raw"}
             for (o, s), (p, c) in zip(chunks, locs, strict=True)]
         meta = json.dumps(doc).encode()
-    return _target_restore(root, step, {metadata_name: meta})
+    return meta
 
 
 def _wrap64(v: int) -> int:
@@ -1331,6 +1340,18 @@ def _target_config(text: bytes) -> dict[str, Any]:
     if len(r) > 1 << 20:
         raise OracleError(f"repr of the config is {len(r)} characters")
     return {"keys": sorted(kwargs)}
+
+
+def resolve_target(name: str) -> Callable[..., Any]:
+    """``TARGETS[name]``, or ``module:function`` for a target kept beside its test (imported in
+    the child: tests/ is on its path)."""
+    if ":" in name:
+        import importlib
+
+        module, func = name.split(":", 1)
+        fn: Callable[..., Any] = getattr(importlib.import_module(module), func)
+        return fn
+    return TARGETS[name]
 
 
 TARGETS: dict[str, Callable[..., Any]] = {

@@ -71,3 +71,33 @@ def test_read_only_root() -> None:
     assert report.readonly_restores == 3, report.summary()
     # The outage outlasted the lease, nobody took it: the writer takes it back and saves.
     assert report.readonly_same_manager_saved_after, report.summary()
+
+
+@pytest.fixture(scope="module")
+def hang_report(moto_s3: MotoS3) -> OutageReport:
+    """The S3 server hanging (requests accepted, never answered) during a save and a restore,
+    with the S3 client's connect/read time-outs at 3.5 s against a 4 s retry budget (the ratio of
+    botocore's 60 s default to the 90 s default budget, a little above): each request ends only
+    at the client's time-out, and the budget must still end the operation. Trust I defect 15:
+    with the defaults a save failed after 124-141 s against 90 s; here the code before the fix
+    takes two time-outs, 7 s against 4 s."""
+    _common.use_s3_server(moto_s3)
+    return outage(SEED, kinds=("hang",), client_timeout_s=3.5)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=_common.FaultFound, reason=(
+    "found at HEAD: save_async's begin_save (step_store.begin_save listing the step directory, "
+    "on the caller's thread) runs outside the save's retry_budget, so its list retries under the "
+    "per-call policy alone (total_timeout_s plus one client time-out): a second attempt starts "
+    "at 3.5 s and the save fails after 7 s against its 4 s budget"))
+def test_hanging_store_fails_a_save_within_its_retry_budget(hang_report: OutageReport) -> None:
+    assert hang_report.save_error and hang_report.restore_error, hang_report.summary()
+    assert hang_report.saved_after, hang_report.summary()  # the server back: saves again
+    check_outage(hang_report, "save")
+
+
+@pytest.mark.slow
+def test_hanging_store_fails_a_restore_within_its_retry_budget(hang_report: OutageReport,
+                                                               ) -> None:
+    check_outage(hang_report, "restore")
