@@ -416,14 +416,14 @@ def test_manager_loop_save_async_then_resume(tmp_path: Path) -> None:
     model = _model(m, seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     losses = []
-    with ckptmgr.CheckpointManager(root, 2, max_to_keep=2) as mgr:
+    with ckptmgr.CheckpointManager(root, 2, max_to_keep=3) as mgr:
         for step in range(8):
             losses.append(_train(model, opt, m, step))
             saved = mgr.save_async(step, {"model": model.state_dict(),
                                           "optim": opt.state_dict()})
             assert saved == (step % 2 == 0)
         mgr.wait_until_finished()
-        assert mgr.all_steps() == [4, 6]
+        assert mgr.all_steps() == [2, 4, 6]
         info = mgr.step_info(6)
     assert info.world_size == 1
     final = [p.detach().cpu() for p in model.parameters()]
@@ -436,7 +436,8 @@ def test_manager_loop_save_async_then_resume(tmp_path: Path) -> None:
     specs2 = _specs(model2)[:3]
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.05, weight_decay=0.1)
     ckptmgr.prime_optimizer(opt2)
-    with ckptmgr.CheckpointManager(root, 2, max_to_keep=2) as mgr:
+    with ckptmgr.CheckpointManager(root, 2, max_to_keep=3) as mgr:
+        assert mgr.all_steps() == [4, 6, 7]  # 7: saved by close() (save_on_close)
         mgr.restore(4, {"model": model2.state_dict(), "optim": opt2.state_dict()})
         # optimizer.state_dict() hands out the live state tensors: restored in place
         resumed = [_train(model2, opt2, m2, step) for step in (5, 6, 7)]
