@@ -8,12 +8,12 @@ sharded tensor into one buffer) and writes into a directory the user owns. Two a
   re-signed so the parser is reached. Property: the export raises one of our errors and leaves
   the output directory as it was, or it writes exactly the saved tensors (a duplicated chunk
   must not export uninitialised memory: Trust I defect 4);
-- an I/O failure (``ENOSPC``) is injected at the n-th file operation of the export (a storage
-  read, creating, writing or fsyncing a temporary file, a hard link, a rename). Property: our
-  error, and the output directory, pre-populated with the user's files at the export's own
-  names and beside them, byte-identical to what it was (a failed export deleted the user's
-  shards: Trust I defect 4). Clean-up calls (``unlink``, ``rmdir``) are not failed: one fault
-  per export, and the clean-up of a fault is what is under test.
+- an I/O failure is injected at the n-th file operation of the export (a storage read fails
+  with ``StorageError``; creating, writing or fsyncing a temporary file, a hard link or a rename
+  with ``ENOSPC``). Property: our error, and the output directory, pre-populated with the user's
+  files at the export's own names and beside them, byte-identical to what it was (a failed
+  export deleted the user's shards: Trust I defect 4). Clean-up calls (``unlink``, ``rmdir``)
+  are not failed: one fault per export, and the clean-up of a fault is what is under test.
 
 The cases run in the fuzz sandbox (tests/_fuzz.py); the target is :func:`target_export`.
 """
@@ -72,10 +72,14 @@ class _Fault:
     def __init__(self, at: int | None) -> None:
         self.at, self.n, self.hit = at, 0, ""
 
-    def tick(self, what: str) -> None:
+    def tick(self, what: str, storage: bool = False) -> None:
         self.n += 1
         if self.n == self.at:
             self.hit = f"{what} (operation {self.n})"
+            if storage:  # what the storage layer raises for a failed read (its contract)
+                from ckptmgr.errors import StorageError
+
+                raise StorageError(f"read failed (injected at {what})")
             raise OSError(errno.ENOSPC, f"No space left on device (injected at {what})")
 
 
@@ -105,17 +109,18 @@ def _inject(fault: _Fault, out_dir: str) -> None:
     away after the case: nothing is put back."""
     from ckptmgr.storage import local
 
-    def wrap(owner: Any, name: str, what: str, only_out: bool = False) -> None:
+    def wrap(owner: Any, name: str, what: str, only_out: bool = False,
+             storage: bool = False) -> None:
         real = getattr(owner, name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if not only_out or (args and str(args[0]).startswith(out_dir)):
-                fault.tick(what)
+                fault.tick(what, storage)
             return real(*args, **kwargs)
 
         setattr(owner, name, call)
 
-    wrap(local.LocalStorage, "read_into", "a storage read")
+    wrap(local.LocalStorage, "read_into", "a storage read", storage=True)
     wrap(os, "open", "creating a file", only_out=True)
     wrap(os, "fsync", "fsync")
     wrap(os, "link", "a hard link")
@@ -145,7 +150,7 @@ def target_export(root: str, step: int, edits: Mapping[str, bytes | None],
     if fault_at is not None:
         _inject(fault, out_dir)
     try:
-        result = tools.export_hf(root, step, out_dir, max_shard_size=MAX_SHARD)
+        result = tools.export_hf(root, step, out_dir, max_shard_size=MAX_SHARD, prefix="model.")
     except BaseException as e:
         after = _snapshot(out_dir)
         if after != before:
