@@ -114,8 +114,10 @@ def _versions(state_dict: Mapping[str, Any]) -> tuple[Any, ...]:
             t = value.to_local() if isinstance(value, DTensor) else value
             try:
                 where: Any = (t.data_ptr(), t.device)
-            except (RuntimeError, NotImplementedError):  # tensors without storage (XLA)
-                where = id(value)
+            except (RuntimeError, NotImplementedError):
+                # No storage (XLA): a module's state_dict() hands out new tensor objects at each
+                # call, so only the version counter (shared with them) tells a change.
+                where = str(t.device)
             out.append((key, where, t._version, tuple(t.shape), t.dtype))
         else:
             out.append((key, hashlib.blake2b(repr(value).encode(), digest_size=16).digest()))
