@@ -49,7 +49,7 @@ from ckptmgr.manifest import check_metadata, check_metrics
 from ckptmgr.policy import StepRecord, best_step
 from ckptmgr.preemption import PreemptionWatcher, agree_preemption, warn_if_over_grace
 from ckptmgr.step_store import CommitPlan, StepStore
-from ckptmgr.storage import open_storage
+from ckptmgr.storage import open_storage, retry_budget
 from ckptmgr.tiers import LocalTier, durable_fits, restore_durable, save_durable
 from ckptmgr.writer_process import (
     DurableJob,
@@ -660,12 +660,15 @@ class CheckpointManager:
 
     def _begin_on_coordinator(self, req: _Request, prepared: PreparedSave,
                               on_exists: str) -> CommitPlan | None:
-        self._check_lease()
         try:
-            return self._store.begin_save(
-                req.step, forced=req.forced, overwrite=self.config.overwrite,
-                world_size=self._caller.world_size, metrics=req.metrics, metadata=req.metadata,
-                mesh=prepared.mesh, on_exists=on_exists)
+            # Planning reads the root (the lease, the step's directory): with the store gone
+            # or hanging it fails within one retry budget, like the writes that follow.
+            with retry_budget():
+                self._check_lease()
+                return self._store.begin_save(
+                    req.step, forced=req.forced, overwrite=self.config.overwrite,
+                    world_size=self._caller.world_size, metrics=req.metrics,
+                    metadata=req.metadata, mesh=prepared.mesh, on_exists=on_exists)
         except StorageError as e:
             raise SaveError(f"save of step {req.step} to {self.path} failed: {e}", step=req.step,
                             failures={self._caller.rank: e}) from e
