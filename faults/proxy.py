@@ -36,7 +36,13 @@ from typing import Any
 from faults._common import TESTS
 
 assert TESTS  # importing _common put tests/ on the path: _servers comes from there
-from _servers import HOST, S3_ERROR_BODIES, free_port  # noqa: E402
+from _servers import (  # noqa: E402
+    HOST,
+    S3_ERROR_BODIES,
+    forward_request,
+    free_port,
+    request_body,
+)
 
 KINDS = ("reset", "reset-after", "500", "503", "slow", "truncate")
 EXTRA_KINDS = ("hang",)
@@ -71,30 +77,10 @@ class ChaosProxy:
                 return None
 
             def _body(self) -> bytes:
-                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                    out = bytearray()
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                        if size == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass
-                            return bytes(out)
-                        out += self.rfile.read(size)
-                        self.rfile.readline()
-                n = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(n) if n else b""
+                return request_body(self)
 
             def _forward(self, body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("transfer-encoding", "connection")}
-                headers["Content-Length"] = str(len(body))
-                conn = http.client.HTTPConnection(up_host, int(up_port), timeout=120)
-                try:
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    return resp, resp.read()
-                finally:
-                    conn.close()
+                return forward_request(self, up_host, int(up_port), body)
 
             def _reset(self) -> None:
                 # SO_LINGER 0: close() sends RST, the client sees a connection reset.

@@ -304,6 +304,37 @@ class FakeGcs:
 # ------------------------------------------------------------------------------ the proxy
 
 
+def request_body(handler: BaseHTTPRequestHandler) -> bytes:
+    """The body of the request ``handler`` is serving (chunked or sized)."""
+    if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
+        out = bytearray()
+        while True:
+            size = int(handler.rfile.readline().split(b";")[0].strip(), 16)
+            if size == 0:
+                while handler.rfile.readline() not in (b"\r\n", b"\n", b""):
+                    pass
+                return bytes(out)
+            out += handler.rfile.read(size)
+            handler.rfile.readline()
+    n = int(handler.headers.get("Content-Length") or 0)
+    return handler.rfile.read(n) if n else b""
+
+
+def forward_request(handler: BaseHTTPRequestHandler, host: str, port: int,
+                    body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
+    """Send the request ``handler`` is serving, with ``body``, to ``host:port``; its answer."""
+    headers = {k: v for k, v in handler.headers.items()
+               if k.lower() not in ("transfer-encoding", "connection")}
+    headers["Content-Length"] = str(len(body))
+    conn = http.client.HTTPConnection(host, port, timeout=120)
+    try:
+        conn.request(handler.command, handler.path, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp, resp.read()
+    finally:
+        conn.close()
+
+
 @dataclass
 class Fault:
     """What to do to the next ``times`` requests that ``match(method, path)`` picks.
@@ -357,30 +388,10 @@ class FaultProxy:
                 return None
 
             def _body(self) -> bytes:
-                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                    out = bytearray()
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                        if size == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass
-                            return bytes(out)
-                        out += self.rfile.read(size)
-                        self.rfile.readline()
-                n = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(n) if n else b""
+                return request_body(self)
 
             def _forward(self, body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("transfer-encoding", "connection")}
-                headers["Content-Length"] = str(len(body))
-                conn = http.client.HTTPConnection(up_host, int(up_port), timeout=120)
-                try:
-                    conn.request(self.command, self.path, body=body, headers=headers)
-                    resp = conn.getresponse()
-                    return resp, resp.read()
-                finally:
-                    conn.close()
+                return forward_request(self, up_host, int(up_port), body)
 
             def _handle(self) -> None:
                 body = self._body()
