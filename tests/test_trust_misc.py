@@ -465,6 +465,27 @@ def test_the_budget_is_a_deadline_started_by_the_first_failure(
         assert budget.deadline is None  # the outage is over: the next one gets a new deadline
 
 
+def test_one_slow_time_out_still_gets_a_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first attempt that timed out after 50 s of a 90 s budget is retried (it succeeds): a
+    retry is reckoned to take at most a quarter of the budget, not the slow attempt's time."""
+    clock = _VirtualTime()
+    monkeypatch.setattr(_retry, "time", clock)
+    answers = iter([TimeoutError("read timed out"), "ok"])
+
+    def slow_then_ok() -> str:
+        answer = next(answers)
+        if isinstance(answer, BaseException):
+            clock.sleep(50.0)
+            raise answer
+        return answer
+
+    policy = _retry.RetryPolicy(max_attempts=5, initial_backoff_s=0.5, max_backoff_s=1.0,
+                                total_timeout_s=90.0)
+    with _retry.retry_budget(90.0) as budget:
+        assert _retry.call_with_retries(slow_then_ok, what="get a", policy=policy) == "ok"
+        assert budget.deadline is None and budget.remaining_s == 90.0
+
+
 @pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 @pytest.mark.filterwarnings("ignore:.*does not have many workers.*")
 @pytest.mark.filterwarnings("ignore:.*smaller than the logging interval.*")

@@ -14,7 +14,9 @@ on every retry loop and every backoff sleep checks the time left, and no new req
 the deadline while the store is still failing (the call fails at once with
 :class:`RetryBudgetSpent`, the last failure as its cause). A call that succeeds ends the outage:
 a long save that met a short outage has its whole budget for the next one. The time spent in
-failed attempts and in backoff sleeps, summed over every call, is bounded by the same budget. So
+failed attempts and in backoff sleeps, summed over every call of one outage, is bounded by the
+same budget. A retry is not started when the time left is shorter than another attempt is
+reckoned to take (the last failed one's, at most a quarter of the budget). So
 a store that is gone for good fails a whole save (its writes, its commit, the clean-up of what it
 wrote) within the budget plus at most the request in flight on each thread, not once per upload
 part or once per call.
@@ -126,7 +128,8 @@ class RetryBudget:
 
     Two bounds, both ``seconds``: a deadline, started by the operation's first transient failure
     and cleared by the next call that succeeds (:meth:`failed`, :meth:`succeeded`); and the time
-    spent in failed attempts and backoff sleeps, summed over every call (:meth:`spend`).
+    spent in failed attempts and backoff sleeps, summed over every call (:meth:`spend`) until a
+    call succeeds.
 
     Args:
         seconds: the budget.
@@ -161,10 +164,13 @@ class RetryBudget:
                 self._deadline = started + self.seconds
 
     def succeeded(self) -> None:
-        """A call succeeded: the outage (if any) is over, the deadline is cleared."""
-        if self._deadline is not None:
+        """A call succeeded: the outage (if any) is over, the deadline and the summed time of
+        failures are cleared (a long healthy save that meets isolated throttles keeps its whole
+        budget for the next outage)."""
+        if self._deadline is not None or self._spent:
             with self._lock:
                 self._deadline = None
+                self._spent = 0.0
 
     @property
     def deadline(self) -> float | None:
@@ -174,10 +180,12 @@ class RetryBudget:
 
     @property
     def attempt_s(self) -> float:
-        """How long the last failed attempt took (what another one would likely take: clients
-        retry connection errors themselves, seconds per attempt)."""
+        """How long another attempt is reckoned to take when deciding whether to start it: the
+        last failed attempt's time (clients retry connection errors themselves, seconds per
+        attempt), but at most a quarter of the budget, so that one slow time-out (s3fs reads
+        time out after 60 s) never leaves a 90 s budget without a retry."""
         with self._lock:
-            return self._attempt_s
+            return min(self._attempt_s, self.seconds / 4)
 
     @property
     def remaining_s(self) -> float:
