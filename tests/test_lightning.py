@@ -272,3 +272,30 @@ def test_pointers_of_the_plugin_before_runs_still_load(tmp_path: Path) -> None:
         assert torch.equal(got["state_dict"]["w"], torch.arange(3.0))
     finally:
         io2.teardown()
+
+
+def test_two_checkpoint_callbacks_share_one_run_root(tmp_path: Path) -> None:
+    """Two ModelCheckpoint callbacks save the same steps; the second one changes the callbacks'
+    own tensors (scores) between the two saves of a step: still one run root, each step once."""
+    torch.manual_seed(1)
+    model = Tiny()
+    a = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=4, save_last=True,
+                        save_top_k=-1)
+    b = ModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=4, monitor="train_loss",
+                        save_top_k=2, filename="tl-{step}")
+
+    class Logged(Tiny):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.log("train_loss", loss)
+            return loss
+
+    model = Logged()
+    trainer = L.Trainer(max_steps=12, accelerator="cpu", logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        plugins=[CkptmgrCheckpointIO(max_to_keep=2)], callbacks=[a, b])
+    trainer.fit(model, _data())
+    runs = _runs(tmp_path)
+    assert len(runs) == 1, runs
+    steps = sorted(int(p.name) for p in runs[0].iterdir() if p.name.isdigit())
+    assert steps == [8, 12], steps

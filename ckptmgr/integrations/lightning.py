@@ -144,10 +144,13 @@ def _fingerprint(flat: Mapping[str, Any]) -> tuple[Any, ...]:
     """Where each tensor lives and how often it was changed in place: equal for two saves only
     if no tensor was replaced or modified in between (Python values are not compared: they
     hold the callbacks' bookkeeping, which differs between ``last.ckpt`` and the top-k save of
-    the same step)."""
+    the same step). Only the model's and the optimizers' tensors count: callbacks keep tensors
+    too (``best_model_score``, ``current_score``) that one callback changes between the saves
+    of one step by several callbacks."""
     out: list[Any] = []
     for key, value in sorted(flat.items()):
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and key.startswith(("state_dict.",
+                                                               "optimizer_states.")):
             try:
                 where: Any = (value.data_ptr(), value.device)
             except (RuntimeError, NotImplementedError):  # tensors without storage
