@@ -429,7 +429,8 @@ def _cmd_export(args: argparse.Namespace, out: _Out) -> int:
                             progress=out.progress)
         if args.only is None:  # say which tensors the default took (issue 31)
             if h.prefix is None:
-                out.note(f"no top-level 'model' entry in step {h.step}: exported every tensor")
+                out.note(f"no top-level 'model' entry beside training state only in step "
+                         f"{h.step}: exported every tensor (--only PREFIX picks one entry)")
             else:
                 out.note(f"exported the '{h.prefix}' entry, named without '{h.prefix}.' "
                          f"(left out: {', '.join(h.left_out) or 'nothing'}; --only PREFIX "

@@ -98,5 +98,15 @@ def test_cli_prints_which_it_chose(tmp_path: Path, capsys: pytest.CaptureFixture
         mgr.save(2, {"w": torch.ones(2), "b": torch.zeros(1)})
     assert cli_main(["export", str(tmp_path / "flat"), "2", str(tmp_path / "hf4"),
                      "--format", "hf"]) == 0
-    assert "no top-level 'model' entry in step 2: exported every tensor" in capsys.readouterr().err
+    assert "no top-level 'model' entry beside training state only in step 2: exported every " \
+        "tensor" in capsys.readouterr().err
     assert sorted(_tensors(tmp_path / "hf4")) == ["b", "w"]
+
+    # a plain transformers state_dict saved as it is: lm_head beside model.* is a weight
+    with ckptmgr.CheckpointManager(str(tmp_path / "causal"), 1) as mgr:
+        mgr.save(3, {"model": {"embed": torch.ones(2)}, "lm_head": {"weight": torch.zeros(2)},
+                     "optim": {"lr": torch.ones(1)}})
+    assert cli_main(["export", str(tmp_path / "causal"), "3", str(tmp_path / "hf5"),
+                     "--format", "hf"]) == 0
+    assert sorted(_tensors(tmp_path / "hf5")) == ["lm_head.weight", "model.embed",
+                                                   "optim.lr"]

@@ -264,6 +264,22 @@ def _select(md: Metadata, only: str | None, cast: torch.dtype | None,
     return planned, skipped
 
 
+# Top-level entries that are training state, not weights: beside them a ``model`` entry is the
+# model (export_hf's default). Beside anything else (``lm_head`` next to ``model`` in a plain
+# transformers state_dict) ``model`` is only part of the model: every tensor is exported.
+_TRAINING_STATE = ("optim", "sched", "lr_sched", "rng", "scaler", "grad_scaler", "data",
+                   "extra", "progress", "trainer", "train_state", "step", "epoch", "loops",
+                   "callbacks")
+
+
+def _default_entry(md: Metadata, default: str) -> bool:
+    """Whether ``default`` is a subtree of the step's tensors beside training state only."""
+    keys = [k for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
+    if not any(k.startswith(f"{default}.") for k in keys):
+        return False  # absent, or one tensor named "model": not a model's entries
+    return all(t == default or t.lower().startswith(_TRAINING_STATE) for t in _tensor_tops(md))
+
+
 def _tensor_tops(md: Metadata) -> list[str]:
     """The top-level entries of a step that hold at least one tensor, sorted."""
     return sorted({k.split(".", 1)[0] for k, v in md.state_dict_metadata.items()
@@ -366,7 +382,7 @@ def _open_step(url: str, step: int | None, storage_options: Mapping[str, Any] | 
         raise ConfigError(f"step {step} was written on a {manifest.byteorder}-endian host; "
                           f"this host is {sys.byteorder}-endian")
     md = read_step_metadata(store, step, manifest)
-    if only is None and default_only is not None and default_only in _tensor_tops(md):
+    if only is None and default_only is not None and _default_entry(md, default_only):
         # transformers reads the model's own names: a training state's optimizer entries
         # would all be UNEXPECTED keys there (issue 31).
         only = default_only
@@ -541,8 +557,8 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
     left_out: tuple[str, ...] = ()
     if prefix is None:
         if source.prefix is None:
-            log.info("export_hf: step %d has no top-level %r entry: exporting every tensor",
-                     step, HF_DEFAULT_PREFIX)
+            log.info("export_hf: step %d has no top-level %r entry beside training state only: "
+                     "exporting every tensor", step, HF_DEFAULT_PREFIX)
         else:
             left_out = tuple(t for t in source.tops if t != source.prefix)
             log.info("export_hf: exporting step %d's %r entry, named without %r (left out: %s); "
