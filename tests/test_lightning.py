@@ -69,6 +69,11 @@ def _fit(root: Path, max_steps: int, *, resume: bool, io: CkptmgrCheckpointIO | 
     return model, trainer
 
 
+def _target(pointer: str) -> dict[str, Any]:
+    """A pointer file's own target (without what it named before, its fallback)."""
+    return {k: v for k, v in json.loads(pointer).items() if k != "ckptmgr_prev"}
+
+
 def _runs(root: Path) -> list[Path]:
     """The run roots the plugin made under ``root``."""
     return sorted((root / DATA_DIR).iterdir()) if (root / DATA_DIR).is_dir() else []
@@ -96,7 +101,7 @@ def test_fit_stop_resume_equals_uninterrupted(tmp_path: Path) -> None:
     # Lightning's names only beside each other: our steps, lease and staging are in .ckptmgr/
     names = sorted(os.listdir(root))
     assert names == [DATA_DIR, "epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
-    assert json.loads((root / "last.ckpt").read_text()) == {"ckptmgr_step": 8,
+    assert _target((root / "last.ckpt").read_text()) == {"ckptmgr_step": 8,
                                                              "ckptmgr_run": run1.name}
 
     model, trainer = _fit(root, 14, resume=True)
@@ -247,7 +252,7 @@ def test_root_elsewhere_leaves_only_ckpt_files(tmp_path: Path) -> None:
     _fit(ckpts, 9, resume=False, io=CkptmgrCheckpointIO(root=str(data)))
     assert sorted(os.listdir(ckpts)) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
     (run,) = sorted(data.iterdir())
-    pointer = json.loads((ckpts / "last.ckpt").read_text())
+    pointer = _target((ckpts / "last.ckpt").read_text())
     assert pointer == {"ckptmgr_step": 8, "ckptmgr_run": run.name, "ckptmgr_root": str(data)}
     # the pointer names the root: a plugin without root= (a later run) resumes from it
     _, trainer = _fit(ckpts, 10, resume=True)
@@ -299,3 +304,24 @@ def test_two_checkpoint_callbacks_share_one_run_root(tmp_path: Path) -> None:
     assert len(runs) == 1, runs
     steps = sorted(int(p.name) for p in runs[0].iterdir() if p.name.isdigit())
     assert steps == [8, 12], steps
+
+
+def test_a_pointer_to_a_step_that_never_committed_falls_back(tmp_path: Path,
+                                                            caplog: pytest.LogCaptureFixture
+                                                            ) -> None:
+    """last.ckpt is rewritten when the save starts; if the process dies before the commit, it
+    names a step that is not there: loading it reads what it named before, with a warning."""
+    _fit(tmp_path, 8, resume=False)
+    last = tmp_path / "last.ckpt"
+    before = json.loads(last.read_text())
+    io = CkptmgrCheckpointIO()
+    expected = io.load_checkpoint(str(last))
+    # What point() writes for a save of step 12 that then never commits.
+    last.write_text(json.dumps({**before, "ckptmgr_step": 12,
+                                "ckptmgr_prev": {k: v for k, v in before.items()
+                                                 if k != "ckptmgr_prev"}}))
+    got = io.load_checkpoint(str(last))
+    assert got["global_step"] == expected["global_step"] == 8
+    assert all(torch.equal(got["state_dict"][k], v) for k, v in expected["state_dict"].items())
+    assert "never committed" in caplog.text
+    io.teardown()

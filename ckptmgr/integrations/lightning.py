@@ -26,8 +26,9 @@ How Lightning's file paths map onto steps (docs/integrations.md):
   first save's). Other tensors at a step this run saved (weights changed since, a weights-only
   save) start a new run root, so every earlier pointer keeps reading what it pointed to;
 - loading a path reads its pointer (or, for a step directory ``DIR/.ckptmgr/RUN/500``, that
-  step), waiting for this plugin's save in flight; a pointer whose step is not there (deleted by
-  retention, or its save never committed) raises ``CheckpointNotFoundError`` saying so;
+  step), waiting for this plugin's save in flight; a pointer whose step never committed loads
+  what the file named before (kept in it as ``ckptmgr_prev``), with a warning; one whose step
+  is not there otherwise (deleted by retention) raises ``CheckpointNotFoundError`` saying so;
 - removing a path (``save_top_k``) removes the pointer only: steps are deleted by ckptmgr's
   retention (``max_to_keep`` and the other retention arguments, per run), never by Lightning;
   when retention deletes a step, the pointers this plugin wrote to it are removed too.
@@ -65,6 +66,7 @@ log = logging.getLogger("ckptmgr")
 POINTER_KEY = "ckptmgr_step"
 RUN_KEY = "ckptmgr_run"  # the run root under DATA_DIR (absent in pointers of plugin 0.1 roots)
 ROOT_KEY = "ckptmgr_root"  # where the run roots are, when not DIR/DATA_DIR (the root= argument)
+PREV_KEY = "ckptmgr_prev"  # what the pointer named before (read if its own step never commits)
 DATA_DIR = ".ckptmgr"  # hidden beside the .ckpt files: one root per run under it
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MAX_POINTER = 4096
@@ -176,6 +178,7 @@ class _Run(CheckpointListener):
         self.saved: dict[int, tuple[Any, ...]] = {}  # step -> fingerprint of the state saved
         self.committed: set[int] = set()
         self.names: dict[str, int] = {}  # pointer file -> the step it points to
+        self.written: dict[str, bytes] = {}  # pointer file -> the bytes written into it
 
     def pointer(self, step: int) -> bytes:
         doc: dict[str, Any] = {POINTER_KEY: step, RUN_KEY: self.name}
@@ -184,9 +187,17 @@ class _Run(CheckpointListener):
         return json.dumps(doc).encode("utf-8")
 
     def point(self, step: int, name: str) -> None:
-        """Write the pointer ``name`` -> ``step`` now (the step may still be in flight)."""
-        self.storage.write_bytes(name, self.pointer(step))
+        """Write the pointer ``name`` -> ``step`` now (the step may still be in flight). What
+        the file named before goes into it too: if this step never commits (the process is
+        killed mid-save), loading the pointer falls back to that (``last.ckpt`` keeps
+        resolving)."""
+        data = self.pointer(step)
+        prev = _previous_target(self.storage, name)
+        if prev is not None and prev != json.loads(data):
+            data = json.dumps({**json.loads(data), PREV_KEY: prev}).encode("utf-8")
+        self.storage.write_bytes(name, data)
         self.names[name] = step
+        self.written[name] = data
 
     def on_save_end(self, stats: SaveStats) -> None:
         with self.lock:
@@ -206,7 +217,7 @@ class _Run(CheckpointListener):
                 continue
             del self.names[name]
             try:  # only if it still points here: Lightning may have written another since
-                want = self.pointer(step)
+                want = self.written.pop(name, self.pointer(step))
                 if self.storage.exists(name) and self.storage.size(name) == len(want) and \
                         self.storage.read_bytes(name, 0, len(want)) == want:
                     self.storage.remove(name)
@@ -215,6 +226,40 @@ class _Run(CheckpointListener):
             except OSError as e:  # a pointer left behind must not fail the training step
                 log.warning("lightning: could not remove %s/%s (step %d deleted by retention): "
                             "%s", self.dirpath, name, step, e)
+
+
+def _target(doc: Any, dirpath: str) -> tuple[str, int]:
+    """The (root, step) a pointer document names.
+
+    Raises:
+        ValueError, KeyError, TypeError: not a pointer document.
+    """
+    step = int(doc[POINTER_KEY])
+    run_name = doc.get(RUN_KEY)
+    if run_name is not None and (not isinstance(run_name, str)
+                                 or _RUN_NAME.fullmatch(run_name) is None):
+        raise ValueError(f"run name {run_name!r}")
+    runs_root = doc.get(ROOT_KEY)
+    if runs_root is not None and (run_name is None or not isinstance(runs_root, str)
+                                  or not runs_root.strip("/")):
+        raise ValueError(f"root {runs_root!r}")
+    if run_name is None:  # a root of the plugin before runs: DIR itself
+        return dirpath, step
+    return f"{runs_root or dirpath.rstrip('/') + '/' + DATA_DIR}/{run_name}", step
+
+
+def _previous_target(storage: Any, name: str) -> dict[str, Any] | None:
+    """The target (step, run, root) of the pointer file ``name`` as it is now, without its own
+    fallback; None when there is none or it does not parse."""
+    try:
+        if not storage.exists(name) or storage.size(name) > _MAX_POINTER:
+            return None
+        doc = json.loads(storage.read_bytes(name))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get(POINTER_KEY), int):
+        return None
+    return {k: doc[k] for k in (POINTER_KEY, RUN_KEY, ROOT_KEY) if k in doc}
 
 
 class CkptmgrCheckpointIO(CheckpointIO):
@@ -353,20 +398,19 @@ class CkptmgrCheckpointIO(CheckpointIO):
                 if size > _MAX_POINTER:
                     raise ValueError(f"{size} bytes")
                 doc = json.loads(storage.read_bytes(name, 0, size))
-                step = int(doc[POINTER_KEY])
-                run_name = doc.get(RUN_KEY)
-                if run_name is not None and (not isinstance(run_name, str)
-                                             or _RUN_NAME.fullmatch(run_name) is None):
-                    raise ValueError(f"run name {run_name!r}")
-                runs_root = doc.get(ROOT_KEY)
-                if runs_root is not None and (run_name is None or not isinstance(runs_root, str)
-                                              or not runs_root.strip("/")):
-                    raise ValueError(f"root {runs_root!r}")
+                root, step = _target(doc, dirpath)
+                prev = doc.get(PREV_KEY) if isinstance(doc, dict) else None
+                fallback = _target(prev, dirpath) if isinstance(prev, dict) else None
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ConfigError(f"{path} is not a ckptmgr pointer file (a checkpoint saved "
                                   "without CkptmgrCheckpointIO?)") from e
-            if run_name is not None:  # else: a root of the plugin before runs, DIR itself
-                root = f"{runs_root or dirpath.rstrip('/') + '/' + DATA_DIR}/{run_name}"
+            if step not in self._reader(root).all_steps() and fallback is not None and (
+                    fallback[1] in self._reader(fallback[0]).all_steps()):
+                log.warning("lightning: %s points to step %d under %s, whose save never "
+                            "committed (the process stopped mid-save?); loading what it "
+                            "pointed to before: step %d under %s", path, step, root,
+                            fallback[1], fallback[0])
+                root, step = fallback
         mgr = self._reader(root)
         if step not in mgr.all_steps():
             raise CheckpointNotFoundError(
