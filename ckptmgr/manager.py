@@ -87,7 +87,7 @@ class _Given:
     first: int  # the oldest step given since the last one saved
     state_dict: Mapping[str, Any]
     request: _Request
-    versions: tuple[Any, ...]
+    versions: tuple[Any, ...] | None  # None: the state could not be read at the call
 
 
 def _versions(state_dict: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -445,8 +445,16 @@ class CheckpointManager:
         if self.config.read_only or (self._given is not None and req.step < self._given.step):
             return
         first = self._given.first if self._given is not None else req.step
-        versions = self._caller.agree(lambda: _versions(state_dict)) if (
-            self.config.save_on_close) else ()
+        versions: tuple[Any, ...] | None = ()
+        if self.config.save_on_close:
+            # Local, no collective (a step that is not due meets no other rank): a state that
+            # cannot be read now is "changed" at close(), where the ranks agree on it.
+            try:
+                versions = _versions(state_dict)
+            except CkptmgrError as e:
+                log.debug("step %d: the state could not be read for save_on_close: %s",
+                          req.step, e)
+                versions = None
         self._given = _Given(req.step, first, state_dict, req, versions)
 
     def _save_on_close(self) -> None:
@@ -464,7 +472,8 @@ class CheckpointManager:
                 "committed) and save_on_close=False; pass force=True on the last step to save "
                 "it", RuntimeWarning, stacklevel=3)
             return
-        changed = self._caller.agree(lambda: _versions(given.state_dict) != given.versions)
+        changed = self._caller.agree(  # on every rank alike: a collective either way
+            lambda: given.versions is None or _versions(given.state_dict) != given.versions)
         if self._caller.any(changed):
             warnings.warn(
                 f"close(): {steps} not saved: the state changed after save/save_async was "
