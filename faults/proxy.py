@@ -30,18 +30,17 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from faults._common import TESTS
 
 assert TESTS  # importing _common put tests/ on the path: _servers comes from there
 from _servers import (  # noqa: E402
-    HOST,
     S3_ERROR_BODIES,
     forward_request,
-    free_port,
     request_body,
+    serve_http,
 )
 
 KINDS = ("reset", "reset-after", "500", "503", "slow", "truncate")
@@ -132,18 +131,7 @@ class ChaosProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle
 
-        for attempt in range(3):
-            try:
-                self._server = ThreadingHTTPServer((HOST, free_port()), Handler)
-                break
-            except OSError:
-                if attempt == 2:
-                    raise
-        self._server.daemon_threads = True
-        self.url = f"http://{HOST}:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="chaos-proxy")
-        self._thread.start()
+        self._server, self.url, self._thread = serve_http(Handler, "chaos-proxy")
 
     def _draw(self, method: str, path: str) -> tuple[str | None, float]:
         with self._lock:

@@ -304,6 +304,23 @@ class FakeGcs:
 # ------------------------------------------------------------------------------ the proxy
 
 
+def serve_http(handler: type[BaseHTTPRequestHandler], name: str) -> tuple[
+        ThreadingHTTPServer, str, threading.Thread]:
+    """A threaded HTTP server of ``handler`` on a free loopback port, serving from a daemon
+    thread named ``name``: the server, its URL and the thread."""
+    for attempt in range(3):
+        try:
+            server = ThreadingHTTPServer((HOST, free_port()), handler)
+            break
+        except OSError:  # the free port was taken meanwhile
+            if attempt == 2:
+                raise
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True, name=name)
+    thread.start()
+    return server, f"http://{HOST}:{server.server_address[1]}", thread
+
+
 def request_body(handler: BaseHTTPRequestHandler) -> bytes:
     """The body of the request ``handler`` is serving (chunked or sized)."""
     if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -429,18 +446,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = _handle
 
-        for attempt in range(3):
-            try:
-                self._server = ThreadingHTTPServer((HOST, free_port()), Handler)
-                break
-            except OSError:
-                if attempt == 2:
-                    raise
-        self._server.daemon_threads = True
-        self.url = f"http://{HOST}:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True,
-                                        name="fault-proxy")
-        self._thread.start()
+        self._server, self.url, self._thread = serve_http(Handler, "fault-proxy")
 
     def _record(self, method: str, path: str) -> Fault | None:
         with self._lock:
