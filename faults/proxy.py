@@ -22,7 +22,6 @@ does not fix, so a seed reproduces the mix of faults, not the exact sequence.
 
 from __future__ import annotations
 
-import http.client
 import random
 import socket
 import struct
@@ -30,16 +29,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler
-from typing import Any
 
 from faults._common import TESTS
 
 assert TESTS  # importing _common put tests/ on the path: _servers comes from there
 from _servers import (  # noqa: E402
     S3_ERROR_BODIES,
-    forward_request,
-    request_body,
+    ProxyHandler,
     serve_http,
 )
 
@@ -69,17 +65,8 @@ class ChaosProxy:
         up_host, up_port = upstream.split("://", 1)[1].rsplit(":", 1)
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return None
-
-            def _body(self) -> bytes:
-                return request_body(self)
-
-            def _forward(self, body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
-                return forward_request(self, up_host, int(up_port), body)
+        class Handler(ProxyHandler):
+            upstream = (up_host, int(up_port))
 
             def _reset(self) -> None:
                 # SO_LINGER 0: close() sends RST, the client sees a connection reset.

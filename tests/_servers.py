@@ -304,6 +304,23 @@ class FakeGcs:
 # ------------------------------------------------------------------------------ the proxy
 
 
+class ProxyHandler(BaseHTTPRequestHandler):
+    """A quiet HTTP/1.1 handler of a proxy in front of ``upstream`` (host, port), set by the
+    subclass: ``_body`` reads the request's body, ``_forward`` sends the request on."""
+
+    protocol_version = "HTTP/1.1"
+    upstream: tuple[str, int] = ("", 0)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None
+
+    def _body(self) -> bytes:
+        return request_body(self)
+
+    def _forward(self, body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
+        return forward_request(self, *self.upstream, body)
+
+
 def serve_http(handler: type[BaseHTTPRequestHandler], name: str) -> tuple[
         ThreadingHTTPServer, str, threading.Thread]:
     """A threaded HTTP server of ``handler`` on a free loopback port, serving from a daemon
@@ -398,17 +415,8 @@ class FaultProxy:
         proxy = self
         up_host, up_port = self.upstream.split("://", 1)[1].rsplit(":", 1)
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return None
-
-            def _body(self) -> bytes:
-                return request_body(self)
-
-            def _forward(self, body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
-                return forward_request(self, up_host, int(up_port), body)
+        class Handler(ProxyHandler):
+            upstream = (up_host, int(up_port))
 
             def _handle(self) -> None:
                 body = self._body()
