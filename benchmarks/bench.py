@@ -219,7 +219,7 @@ def resident_fraction(files: Sequence[str]) -> float:
 
 
 def _views(state: dict[str, torch.Tensor]) -> list[memoryview]:
-    from ckptmgr.dcp._bytes import tensor_memoryview
+    from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 
     return [tensor_memoryview(t) for t in state.values()]
 

@@ -12,7 +12,7 @@ process, as the coordinator would after gathering the plans:
 - DCP's own ``DefaultSavePlanner.create_global_plan`` on the same plans (its dedup and metadata);
 - the JSON metadata (``ckptmgr.dcp.encode_metadata``: one data file per rank, item locations as
   our writer records them), its bytes and decode time (``ckptmgr.dcp.decode_metadata``);
-- the manifest (``ckptmgr.manifest.encode_manifest``) bytes;
+- the manifest (``ckptmgr.codec.manifest.encode_manifest``) bytes;
 - objects written per step, and list calls for ``all_steps`` and ``restore`` (by the protocol:
   the coordinator lists, then broadcasts);
 - the coordinator's memory: peak RSS of the process that did all this (each N runs in its own
@@ -63,6 +63,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from ckptmgr.codec.manifest import FileEntry, Manifest, encode_manifest
 from ckptmgr.dcp import CkptSavePlanner, ItemLocation, decode_metadata, encode_metadata
 from ckptmgr.dcp._lazy_metadata import (
     Column,
@@ -72,7 +73,6 @@ from ckptmgr.dcp._lazy_metadata import (
     find_chunk,
 )
 from ckptmgr.dcp.planner import plan_token, tagged_plan
-from ckptmgr.manifest import FileEntry, Manifest, encode_manifest
 
 HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, LAYERS = 8192, 28672, 128256, 64, 8, 80
 

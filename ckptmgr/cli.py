@@ -36,8 +36,8 @@ from typing import Any, NoReturn, TextIO
 from ckptmgr import tools
 from ckptmgr._redact import redact, redact_url, register_options, register_url
 from ckptmgr._version import __version__
+from ckptmgr.codec.layout import MANIFEST_NAME, parse_staging_name, parse_step_name
 from ckptmgr.errors import CheckpointNotFoundError, CkptmgrError, ConfigError, StorageError
-from ckptmgr.layout import MANIFEST_NAME, parse_staging_name, parse_step_name
 from ckptmgr.step_store import DCP_METADATA_NAME, is_our_file_name
 from ckptmgr.storage import lacks_credentials, open_storage, split_scheme
 

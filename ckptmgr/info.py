@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from ckptmgr.manifest import FileEntry, Manifest
+from ckptmgr.codec.manifest import FileEntry, Manifest
 
 __all__ = ["FileEntry", "SaveStats", "StepInfo"]
 

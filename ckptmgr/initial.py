@@ -50,7 +50,6 @@ import torch
 
 from ckptmgr._dist import Comm
 from ckptmgr._redact import redact
-from ckptmgr.dcp import tensor_memoryview
 from ckptmgr.dcp.checkpoint import (
     PreparedRestore,
     RestoreSource,
@@ -59,6 +58,7 @@ from ckptmgr.dcp.checkpoint import (
     read_restore_source,
 )
 from ckptmgr.dcp.state import FlatState, flatten_state
+from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 from ckptmgr.errors import (
     ConfigError,
     StateMismatchError,

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from ckptmgr._async import SaveQueue, Stager
 from ckptmgr._dist import Comm, collective_timeout, make_group
 from ckptmgr._shm import ArenaSet
+from ckptmgr.codec.layout import check_step
+from ckptmgr.codec.manifest import check_metadata, check_metrics
 from ckptmgr.config import ManagerConfig, check_flag, load_config
 from ckptmgr.dcp.checkpoint import PreparedSave, SavePlanners, prepare_save
 from ckptmgr.dcp.state import check_state_dict, flatten_state
@@ -43,9 +45,7 @@ from ckptmgr.errors import (
 from ckptmgr.events import Listeners, log_restore, log_save
 from ckptmgr.info import SaveStats, StepInfo
 from ckptmgr.initial import KeyMap, load_initial
-from ckptmgr.layout import check_step
 from ckptmgr.lease import Lease
-from ckptmgr.manifest import check_metadata, check_metrics
 from ckptmgr.policy import StepRecord, best_step
 from ckptmgr.preemption import PreemptionWatcher, agree_preemption, warn_if_over_grace
 from ckptmgr.step_store import CommitPlan, StepStore

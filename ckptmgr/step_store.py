@@ -44,17 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptmgr.errors import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CkptmgrError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    LeaseError,
-    StorageError,
-    UnsafeCheckpointError,
-)
-from ckptmgr.layout import (
+from ckptmgr.codec.layout import (
     MANIFEST_NAME,
     MAX_STEP,
     check_step,
@@ -65,13 +55,23 @@ from ckptmgr.layout import (
     staging_dir_name,
     step_dir_name,
 )
-from ckptmgr.manifest import (
+from ckptmgr.codec.manifest import (
     MAX_MANIFEST_BYTES,
     Manifest,
     ManifestError,
     UnsafePathError,
     decode_manifest,
     encode_manifest,
+)
+from ckptmgr.errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CkptmgrError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    LeaseError,
+    StorageError,
+    UnsafeCheckpointError,
 )
 from ckptmgr.policy import StepRecord
 from ckptmgr.storage import AtomicRename, Storage, is_not_found

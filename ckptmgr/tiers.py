@@ -45,8 +45,11 @@ from typing import Any
 import torch
 
 from ckptmgr._dist import Comm
+from ckptmgr.codec.checksum import Hasher
+from ckptmgr.codec.layout import attempt_in_name, join, new_attempt_id, step_dir_name
+from ckptmgr.codec.manifest import Manifest
 from ckptmgr.config import ManagerConfig
-from ckptmgr.dcp import Hasher, shards
+from ckptmgr.dcp import shards
 from ckptmgr.dcp.checkpoint import (
     SavePlanners,
     deleted_while_read,
@@ -68,9 +71,7 @@ from ckptmgr.errors import (
     StorageError,
 )
 from ckptmgr.info import StepInfo
-from ckptmgr.layout import attempt_in_name, join, new_attempt_id, step_dir_name
 from ckptmgr.lease import Lease
-from ckptmgr.manifest import Manifest
 from ckptmgr.policy import StepRecord, steps_to_delete
 from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import open_storage, retry_budget

@@ -27,8 +27,8 @@ import torch
 from _faulty import FaultyStorage, Gate, wrap
 
 import ckptmgr.storage
+from ckptmgr.codec.layout import MANIFEST_NAME, parse_staging_name
 from ckptmgr.errors import StorageError
-from ckptmgr.layout import MANIFEST_NAME, parse_staging_name
 from ckptmgr.lease import LEASE_NAME
 
 # Storage operations that change something; a crash point counts these (not the lease's own).
@@ -152,7 +152,7 @@ class Clock:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.times: dict[int, int] = {}
         import ckptmgr.dcp.writer
-        from ckptmgr.manifest import Manifest as real
+        from ckptmgr.codec.manifest import Manifest as real
 
         def manifest(**kwargs: Any) -> Any:
             seed = (kwargs.get("metadata") or {}).get("model_seed")

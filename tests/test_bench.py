@@ -226,7 +226,7 @@ def test_direct_writer_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, si
     half = size // 2
     w.write(data[:half])  # read-only bytes
     if size:
-        from ckptmgr.dcp._bytes import tensor_memoryview
+        from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 
         w.writev([tensor_memoryview(t)[half:]])  # writable memory, copied with memmove
     w.commit()
@@ -243,7 +243,7 @@ def test_direct_writer_unbuffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         pytest.skip("no O_DIRECT on this file system")
     monkeypatch.setattr(local, "_DIRECT_BUF", 65536)
     monkeypatch.setattr(local, "_DIRECT_MAX_WRITE", 3 * 4096)
-    from ckptmgr.dcp._bytes import tensor_memoryview
+    from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 
     rng = torch.Generator().manual_seed(shift)
     backing = torch.randint(0, 256, (400_000,), dtype=torch.uint8, generator=rng)
@@ -270,7 +270,7 @@ def test_direct_writer_unbuffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_padded_file_checksum_covers_every_byte(local_root: str) -> None:
     """The manifest's file checksum is of the whole file, padding included."""
-    from ckptmgr.dcp._bytes import checksum
+    from ckptmgr.codec.checksum import checksum
 
     state = {f"t{i}": torch.randn(300_000 + i) for i in range(5)}
     with CheckpointManager(local_root, save_interval=1) as mgr:
@@ -382,7 +382,7 @@ def _depth_reference(data: bytes, limit: int) -> bool:
 
 
 def _rejects(data: bytes, limit: int) -> bool:
-    from ckptmgr.manifest import ManifestError, check_json_depth
+    from ckptmgr.codec.manifest import ManifestError, check_json_depth
 
     try:
         check_json_depth(data, limit)
@@ -416,14 +416,14 @@ def test_check_json_depth_matches_the_byte_scan() -> None:
 
 
 def _python_lines(fn: Any, budget: int) -> int:
-    """How many lines of ``ckptmgr/manifest.py`` Python runs during ``fn()``: a measure of
+    """How many lines of ``ckptmgr/codec/manifest.py`` Python runs during ``fn()``: a measure of
     interpreted work that does not depend on the machine's speed or load.
 
     Raises:
         AssertionError: more than ``budget`` lines (stopped there: a byte-by-byte scan of a
             large input would run millions).
     """
-    from ckptmgr import manifest
+    from ckptmgr.codec import manifest
 
     count = 0
 

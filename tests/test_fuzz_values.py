@@ -1,4 +1,4 @@
-"""Fuzzing Python values in a state (tagged JSON, ``ckptmgr/_values.py``).
+"""Fuzzing Python values in a state (tagged JSON, ``ckptmgr/codec/values.py``).
 
 Two ways: generated values round-trip exactly through the encoder and decoder (and the bytes say
 what an independent strict reading of the format says); and the stored bytes of a value in a real

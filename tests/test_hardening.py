@@ -226,7 +226,7 @@ def _forge_value_length(root: Path, step: int, fqn: str, length: int) -> Path:
     manifest's sizes and checksums and the item's checksum forged to match."""
     import json
 
-    from ckptmgr.dcp._bytes import checksum
+    from ckptmgr.codec.checksum import checksum
 
     sdir = root / str(step)
     manifest = json.loads((sdir / "commit.json").read_text())

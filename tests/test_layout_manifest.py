@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ckptmgr.layout import (
+from ckptmgr.codec.layout import (
     check_relpath,
     data_file_name,
     new_attempt_id,
@@ -14,7 +14,7 @@ from ckptmgr.layout import (
     parse_step_name,
     staging_dir_name,
 )
-from ckptmgr.manifest import (
+from ckptmgr.codec.manifest import (
     MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 import ckptmgr
+from ckptmgr.codec.manifest import ManifestError, UnsafePathError
 from ckptmgr.dcp._lazy_metadata import (
     ChunkTable,
     ColumnarLocations,
@@ -35,7 +36,6 @@ from ckptmgr.dcp._lazy_metadata import (
 )
 from ckptmgr.dcp._metadata_json import MAGIC, decode_metadata, encode_metadata
 from ckptmgr.dcp.planner import CkptSavePlanner
-from ckptmgr.manifest import ManifestError, UnsafePathError
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "metadata_v1"
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scale_sim.py"

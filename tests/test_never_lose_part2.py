@@ -21,8 +21,8 @@ from _holder import Holder, restored_version, state, wait_for_file
 
 import ckptmgr.manager
 from ckptmgr import CheckpointExistsError, CheckpointManager
+from ckptmgr.codec.layout import MANIFEST_NAME
 from ckptmgr.errors import CorruptCheckpointError, LeaseError, RestoreError
-from ckptmgr.layout import MANIFEST_NAME
 from ckptmgr.storage import Storage
 
 

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from ckptmgr import CheckpointManager, CheckpointNotFoundError, manifest
+from ckptmgr import CheckpointManager, CheckpointNotFoundError
+from ckptmgr.codec import manifest
 
 Plan = Sequence[tuple[int, dict[str, float] | None]]  # (step, metrics) in save order
 

@@ -16,7 +16,7 @@ import torch
 
 import ckptmgr
 from ckptmgr import CheckpointManager, ConfigError, StateMismatchError, UnsafeCheckpointError
-from ckptmgr.layout import MAX_STEP
+from ckptmgr.codec.layout import MAX_STEP
 
 
 class Planted:

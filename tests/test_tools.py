@@ -37,10 +37,10 @@ from ckptmgr import (
     UnsafeCheckpointError,
     tools,
 )
+from ckptmgr.codec.layout import new_attempt_id, staging_dir_name
 from ckptmgr.dcp._compat import dcp_save
 from ckptmgr.dcp.planner import CkptSavePlanner
 from ckptmgr.dcp.writer import CkptStorageWriter, CommitPlan
-from ckptmgr.layout import new_attempt_id, staging_dir_name
 from ckptmgr.storage import open_storage
 from ckptmgr.tools import dcp_import
 from ckptmgr.tools import export as tools_export

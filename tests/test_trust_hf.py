@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 import ckptmgr
 from ckptmgr import tools
 from ckptmgr.cli import main as cli_main
-from ckptmgr.dcp._bytes import checksum
+from ckptmgr.codec.checksum import checksum
 from ckptmgr.dcp.shards import CpuShardedTensor
 from ckptmgr.errors import (
     CkptmgrError,

@@ -17,11 +17,11 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ckptmgr import CheckpointManager, CorruptCheckpointError, StateMismatchError
-from ckptmgr._values import decode_value, encode_value
-from ckptmgr.dcp._bytes import checksum
+from ckptmgr.codec.checksum import checksum
+from ckptmgr.codec.layout import parse_staging_name, parse_step_name
+from ckptmgr.codec.manifest import ManifestError, decode_manifest
+from ckptmgr.codec.values import decode_value, encode_value
 from ckptmgr.dcp._metadata_json import MAGIC, decode_metadata, encode_metadata
-from ckptmgr.layout import parse_staging_name, parse_step_name
-from ckptmgr.manifest import ManifestError, decode_manifest
 
 # ------------------------------------------------------------------------------------ helpers
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ckptmgr._values import NotRepresentableError, decode_value, encode_value, is_representable
+from ckptmgr.codec.values import NotRepresentableError, decode_value, encode_value, is_representable
 
 P = namedtuple("P", "x y")
 

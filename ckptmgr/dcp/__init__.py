@@ -8,7 +8,6 @@ Usable without the manager, under plain ``torch.distributed.checkpoint`` (docs/d
 ``CkptStorageWriter(url)`` / ``CkptStorageReader(url)`` as DCP's storage layer, and
 ``SpmdSavePlanner()`` / ``SpmdLoadPlanner()`` where torch_xla's SPMD planners were used."""
 
-from ckptmgr.dcp._bytes import Hasher, checksum, tensor_memoryview
 from ckptmgr.dcp._compat import dcp_load, dcp_save
 from ckptmgr.dcp._metadata_json import ItemLocation, decode_metadata, dtype_name, encode_metadata
 from ckptmgr.dcp.fsdp import ModelOptimizerState
@@ -25,17 +24,14 @@ __all__ = [
     "CkptStorageWriter",
     "CommitPlan",
     "CompatibilityReport",
-    "Hasher",
     "ItemLocation",
     "ModelOptimizerState",
     "SpmdLoadPlanner",
     "SpmdSavePlanner",
-    "checksum",
     "compatibility_report",
     "dcp_load",
     "dcp_save",
     "decode_metadata",
     "dtype_name",
     "encode_metadata",
-    "tensor_memoryview",
 ]

@@ -44,7 +44,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptmgr._values import NotRepresentableError, decode_tagged, encode_tagged
+from ckptmgr.codec.layout import check_file_name
+from ckptmgr.codec.manifest import ManifestError, UnsafePathError, check_json_depth
+from ckptmgr.codec.values import NotRepresentableError, decode_tagged, encode_tagged
 from ckptmgr.dcp._lazy_metadata import (
     ChunkTable,
     Column,
@@ -53,8 +55,6 @@ from ckptmgr.dcp._lazy_metadata import (
     ItemLocation,
     TensorLocations,
 )
-from ckptmgr.layout import check_file_name
-from ckptmgr.manifest import ManifestError, UnsafePathError, check_json_depth
 
 __all__ = ["ENCODINGS", "ItemLocation", "decode_metadata", "dtype_name", "encode_metadata"]
 

@@ -28,7 +28,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from ckptmgr._arrivals import Arrivals, track
-from ckptmgr._values import is_representable
+from ckptmgr.codec.layout import step_dir_name
+from ckptmgr.codec.manifest import Manifest
+from ckptmgr.codec.values import is_representable
 from ckptmgr.dcp._compat import dcp_load, dcp_save
 from ckptmgr.dcp._metadata_json import ItemLocation
 from ckptmgr.dcp.optim import prime_optimizer
@@ -50,8 +52,6 @@ from ckptmgr.errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from ckptmgr.layout import step_dir_name
-from ckptmgr.manifest import Manifest
 from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import retry_budget
 

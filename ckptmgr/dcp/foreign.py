@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
+from ckptmgr.codec.layout import step_dir_name
 from ckptmgr.dcp._compat import dcp_load, fsspec_reader
 from ckptmgr.dcp.checkpoint import raise_load_failure
 from ckptmgr.dcp.importer import nest_items
@@ -49,7 +50,6 @@ from ckptmgr.errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from ckptmgr.layout import step_dir_name
 from ckptmgr.storage import FsspecStorage, LocalStorage, Storage
 
 __all__ = ["PreparedForeignRestore", "load_foreign", "prepare_foreign_restore"]

@@ -38,22 +38,23 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptmgr._values import MAX_VALUE_BYTES, decode_value
+from ckptmgr.codec.checksum import Hasher, checksum
+from ckptmgr.codec.layout import join
+from ckptmgr.codec.manifest import Manifest, ManifestError, UnsafePathError
+from ckptmgr.codec.values import MAX_VALUE_BYTES, decode_value
 from ckptmgr.config import check_flag
 from ckptmgr.dcp._args import check_options, check_url
-from ckptmgr.dcp._bytes import Hasher, checksum, tensor_memoryview
 from ckptmgr.dcp._lazy_metadata import find_chunk
 from ckptmgr.dcp._metadata_json import MAX_METADATA_BYTES, ItemLocation, decode_metadata
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
 from ckptmgr.dcp.planner import CkptLoadPlanner
+from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 from ckptmgr.errors import (
     ConfigError,
     CorruptCheckpointError,
     RestoreError,
     UnsafeCheckpointError,
 )
-from ckptmgr.layout import join
-from ckptmgr.manifest import Manifest, ManifestError, UnsafePathError
 from ckptmgr.step_store import StepStore
 from ckptmgr.storage import RangeReads, Storage, is_url_supported, open_storage, redact_url
 

@@ -49,17 +49,18 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptmgr._values import MAX_VALUE_BYTES, NotRepresentableError, encode_value
 from ckptmgr._version import __version__
+from ckptmgr.codec.checksum import Hasher, checksum
+from ckptmgr.codec.layout import data_file_name, join, metadata_file_name, parse_step_name
+from ckptmgr.codec.manifest import FileEntry, Manifest, utc_now_iso
+from ckptmgr.codec.values import MAX_VALUE_BYTES, NotRepresentableError, encode_value
 from ckptmgr.config import check_flag
 from ckptmgr.dcp._args import check_options, check_url
-from ckptmgr.dcp._bytes import Hasher, checksum, lower_thread_priority, tensor_memoryview
 from ckptmgr.dcp._metadata_json import ItemLocation, encode_metadata
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
 from ckptmgr.dcp.planner import item_bytes
+from ckptmgr.dcp.tensor_bytes import lower_thread_priority, tensor_memoryview
 from ckptmgr.errors import ConfigError, SaveError, UnsafeCheckpointError
-from ckptmgr.layout import data_file_name, join, metadata_file_name, parse_step_name
-from ckptmgr.manifest import FileEntry, Manifest, utc_now_iso
 from ckptmgr.step_store import CommitPlan, StepStore, unfenced
 from ckptmgr.storage import Storage, VectoredWriter, is_url_supported, open_storage, redact_url
 

@@ -52,10 +52,10 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import CheckpointIO
 
+from ckptmgr.codec.layout import parse_step_name
 from ckptmgr.errors import CheckpointNotFoundError, ConfigError
 from ckptmgr.events import CheckpointListener
 from ckptmgr.info import SaveStats
-from ckptmgr.layout import parse_step_name
 from ckptmgr.manager import CheckpointManager
 from ckptmgr.storage import open_storage
 

@@ -14,10 +14,10 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckptmgr.codec.layout import join
 from ckptmgr.errors import (
     StorageError,
 )
-from ckptmgr.layout import join
 from ckptmgr.storage import Storage, is_not_found
 from ckptmgr.tools.listing import format_bytes as format_bytes  # re-exported
 

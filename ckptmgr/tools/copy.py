@@ -7,20 +7,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ckptmgr._checksum import Hasher
+from ckptmgr.codec.checksum import Hasher
+from ckptmgr.codec.layout import (
+    check_step,
+    join,
+    step_dir_name,
+)
+from ckptmgr.codec.manifest import Manifest
 from ckptmgr.errors import (
     CheckpointExistsError,
     ConfigError,
     CorruptCheckpointError,
     StorageError,
 )
-from ckptmgr.layout import (
-    check_step,
-    join,
-    step_dir_name,
-)
 from ckptmgr.lease import writer_lease
-from ckptmgr.manifest import Manifest
 from ckptmgr.step_store import StepStore
 from ckptmgr.storage import AtomicRename, Storage, open_storage
 from ckptmgr.tools._common import (

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ckptmgr.codec.layout import check_step, step_dir_name
 from ckptmgr.dcp import CkptStorageWriter, dcp_load, dcp_save
 from ckptmgr.dcp.importer import CachedMetadataReader, LazyImportPlanner, nest_items
 from ckptmgr.dcp.state import flatten_state
@@ -28,7 +29,6 @@ from ckptmgr.errors import (
     UnsafeCheckpointError,
 )
 from ckptmgr.info import StepInfo
-from ckptmgr.layout import check_step, step_dir_name
 from ckptmgr.lease import writer_lease
 from ckptmgr.step_store import StepStore
 from ckptmgr.storage import open_storage, redact_url

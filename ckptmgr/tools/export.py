@@ -18,12 +18,14 @@ from typing import Any, BinaryIO
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ckptmgr.dcp import ItemLocation, checksum, tensor_memoryview
+from ckptmgr.codec.checksum import checksum
+from ckptmgr.codec.layout import join, step_dir_name
+from ckptmgr.codec.manifest import Manifest
+from ckptmgr.dcp import ItemLocation
 from ckptmgr.dcp.checkpoint import read_step_metadata
 from ckptmgr.dcp.shards import coverage_problem
+from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 from ckptmgr.errors import CkptmgrError, ConfigError, CorruptCheckpointError, StorageError
-from ckptmgr.layout import join, step_dir_name
-from ckptmgr.manifest import Manifest
 from ckptmgr.step_store import StepStore
 from ckptmgr.storage import Storage, open_storage
 from ckptmgr.tools._common import (

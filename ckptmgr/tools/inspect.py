@@ -13,7 +13,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ckptmgr.dcp import Hasher, ItemLocation, dtype_name
+from ckptmgr.codec.checksum import Hasher
+from ckptmgr.codec.layout import (
+    MANIFEST_NAME,
+    check_step,
+    join,
+    step_dir_name,
+)
+from ckptmgr.dcp import ItemLocation, dtype_name
 from ckptmgr.dcp.checkpoint import deleted_while_read, read_step_metadata
 from ckptmgr.errors import (
     CheckpointNotFoundError,
@@ -23,12 +30,6 @@ from ckptmgr.errors import (
     UnsafeCheckpointError,
 )
 from ckptmgr.info import StepInfo
-from ckptmgr.layout import (
-    MANIFEST_NAME,
-    check_step,
-    join,
-    step_dir_name,
-)
 from ckptmgr.step_store import StepStore
 from ckptmgr.storage import Storage, is_not_found, open_storage
 from ckptmgr.tools._common import (

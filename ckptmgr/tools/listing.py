@@ -7,12 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptmgr.codec.layout import MANIFEST_NAME, parse_staging_name, parse_step_name
 from ckptmgr.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     UnsafeCheckpointError,
 )
-from ckptmgr.layout import MANIFEST_NAME, parse_staging_name, parse_step_name
 from ckptmgr.step_store import DCP_METADATA_NAME, StepStore
 from ckptmgr.storage import open_storage
 

@@ -8,8 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckptmgr.codec.layout import parse_staging_name, step_dir_name
 from ckptmgr.errors import CkptmgrError, StorageError
-from ckptmgr.layout import parse_staging_name, step_dir_name
 from ckptmgr.lease import writer_lease
 from ckptmgr.policy import StepRecord, build_policy, steps_to_delete
 from ckptmgr.step_store import StepStore

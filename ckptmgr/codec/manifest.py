@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from ckptmgr.codec.layout import MAX_STEP, check_file_name
 from ckptmgr.errors import ConfigError
-from ckptmgr.layout import MAX_STEP, check_file_name
 
 __all__ = [
     "FORMAT_NAME",

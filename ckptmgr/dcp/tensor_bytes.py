@@ -1,5 +1,6 @@
-"""Raw byte views of CPU tensors, the checksum we use (defined torch-free in
-:mod:`ckptmgr._checksum`, re-exported here), and the CPU-share knob of ckptmgr's I/O threads."""
+"""Raw byte views of CPU tensors, and the CPU-share knob of ckptmgr's I/O threads.
+
+The checksum over those bytes is torch-free, in :mod:`ckptmgr.codec.checksum`."""
 
 from __future__ import annotations
 
@@ -11,9 +12,7 @@ import threading
 
 import torch
 
-from ckptmgr._checksum import CHECKSUM_ALGO, Hasher, checksum
-
-__all__ = ["CHECKSUM_ALGO", "Hasher", "checksum", "lower_thread_priority", "tensor_memoryview"]
+__all__ = ["lower_thread_priority", "tensor_memoryview"]
 
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:

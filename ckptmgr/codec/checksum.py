@@ -1,7 +1,8 @@
 """The checksum every ckptmgr file and item carries (xxh3-64, 9-12 GB/s on one core here).
 
 Torch-free on purpose: ``ckptmgr cp`` checks whole-file checksums without tensors, and so starts
-without importing torch; :mod:`ckptmgr.dcp._bytes` re-exports these names for the tensor code.
+without importing torch; the tensor code hashes the byte views of
+:mod:`ckptmgr.dcp.tensor_bytes` with it.
 """
 
 from __future__ import annotations
