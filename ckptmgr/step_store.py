@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptmgr.codec.checksum import checksum
 from ckptmgr.codec.layout import (
     MANIFEST_NAME,
     MAX_STEP,
@@ -389,23 +390,22 @@ class StepStore:
         return self.read_manifest_bytes(step)[0]
 
     def read_file(self, step: int, manifest: Manifest, name: str, *, max_bytes: int,
-                  verify: bool = True,
-                  checksum: Callable[[bytes], str] | None = None) -> bytes:
+                  verify: bool = True) -> bytes:
         """The whole of small file ``name`` of committed ``step``, checked against the manifest.
 
         The size is checked before reading (a file larger than the manifest says, or than
-        ``max_bytes``, is never read); the checksum after, when ``verify`` and ``checksum``.
+        ``max_bytes``, is never read); the checksum after, unless ``verify`` is False (the
+        manager's ``verify=False``: the size is still checked, as it bounds what is read).
 
         Raises:
             CorruptCheckpointError: missing, wrong size or checksum (names the file).
             UnsafeCheckpointError: the file is a symbolic link.
         """
         return self.read_dir_file(step_dir_name(step), manifest, name, max_bytes=max_bytes,
-                                  verify=verify, checksum=checksum)
+                                  verify=verify)
 
     def read_dir_file(self, dirname: str, manifest: Manifest, name: str, *, max_bytes: int,
-                      verify: bool = True,
-                      checksum: Callable[[bytes], str] | None = None) -> bytes:
+                      verify: bool = True) -> bytes:
         """:meth:`read_file` for the checkpoint directory ``dirname`` (a step directory, or ""
         for the storage root itself); errors name ``manifest.step``."""
         step = manifest.step
@@ -427,8 +427,7 @@ class StepStore:
                 raise CorruptCheckpointError(f"step {step}: {name}: file is missing", step=step,
                                              path=name) from e
             raise
-        if len(data) != entry.size or (verify and checksum is not None
-                                       and checksum(data) != entry.checksum):
+        if len(data) != entry.size or (verify and checksum(data) != entry.checksum):
             raise CorruptCheckpointError(
                 f"step {step}: {name}: size or checksum does not match the manifest", step=step,
                 path=name)

@@ -123,7 +123,7 @@ def read_metadata_file(store: StepStore, dirname: str, manifest: Manifest, *,
     """
     step, name = manifest.step, manifest.metadata_file
     data = store.read_dir_file(dirname, manifest, name, max_bytes=MAX_METADATA_BYTES,
-                               verify=verify, checksum=checksum)
+                               verify=verify)
     try:
         return decode_metadata(data)
     except UnsafePathError as e:
