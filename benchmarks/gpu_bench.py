@@ -248,8 +248,7 @@ class GpuBench:
     # -- the repetitions
 
     def run(self) -> None:
-        methods = ["floors", "dcp", "dcp_async", "ckptmgr_thread", "ckptmgr_process",
-                   "compute"]
+        methods = self.args.methods
         # No warm-up repetition: what needs one (DCP's checkpoint process and stager, each
         # manager's buffers and writer process) is warmed by an untimed save on first use.
         for rep in range(1, self.args.reps + 1):
@@ -480,6 +479,7 @@ class GpuBench:
 
 # ---------------------------------------------------------------------------------- reporting
 
+METHODS = ["floors", "dcp", "dcp_async", "ckptmgr_thread", "ckptmgr_process", "compute"]
 # Which floor each kind is compared with in the table.
 FLOOR_OF = {"write": "floor.write", "read": "floor.read", "blocking": "floor.d2h",
             "compute": "compute_lost.dcp_async"}
@@ -571,7 +571,8 @@ def markdown(doc: dict[str, Any]) -> str:
                    f"{_f(r.get('ratio_min'), '.2f')} |")
     for name in ROWS:
         if name not in by:
-            out.append(f"| `{name}` | not measured (see errors) | | | | | |")
+            out.append(f"| `{name}` | not measured (not selected, failed or over budget) "
+                       "| | | | | |")
     for name, err in doc["errors"].items():
         out.append(f"| `{name}` | ERROR: {err.replace('|', '/')} | | | | | |")
     out += ["", "Ratios: writes to `floor.write`, reads to `floor.read`, blocking times to "
@@ -615,9 +616,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="the matmul loop runs at least this long (default 1.0; 0.2 dry run)")
     p.add_argument("--matmul-dim", type=int, default=None,
                    help="matmul size (default 8192 bf16 on the GPU; 256 fp32 dry run)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
     p.add_argument("--dry-run", action="store_true",
                    help="a tiny state on the CPU (no CUDA needed): proves the script runs")
     args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        p.error(f"unknown methods {unknown}; choose from {METHODS}")
     dry = args.dry_run
     args.size = args.size or (16 * B.MiB if dry else 8 * B.GiB)
     args.reps = args.reps if args.reps is not None else (1 if dry else 2)
