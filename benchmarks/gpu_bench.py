@@ -132,36 +132,50 @@ class MatmulLoop:
     def step(self) -> None:
         torch.mm(self.a, self.b, out=self.c)
 
-    def iteration_s(self, n: int = 30) -> float:
-        for _ in range(3):
+    def iteration_s(self, update: Callable[[], None], n: int = 10) -> float:
+        """Seconds of one training-like iteration (4 matmuls and ``update``) alone."""
+        for _ in range(4):
             self.step()
+        update()
         self.clock.sync()
         a = self.clock.mark()
         for _ in range(n):
-            self.step()
+            for _ in range(4):
+                self.step()
+            update()
         return self.clock.seconds(a, self.clock.mark()) / n
 
-    def run_during(self, start: Start, min_s: float) -> dict[str, float]:
-        """Run the loop while one background save runs (started by ``start``, whose blocking part
-        leaves the GPU idle once the 4 queued iterations are done); lost = the window on the GPU
-        minus the iterations done times the iteration time measured alone before and after."""
-        base = self.iteration_s()
+    def run_during(self, start: Start, min_s: float, update: Callable[[], None],
+                   before_update: Callable[[], None] | None = None) -> dict[str, float]:
+        """Run training-like iterations (4 matmuls, then ``update``, an in-place write to the
+        saved state, as an optimizer step is) while one background save runs; lost = the window
+        on the GPU minus the iterations done times the iteration time measured alone before and
+        after. ``before_update`` runs once before the first update after the save starts: DCP's
+        async staging requires the caller to wait for staging before the state changes
+        (``AsyncSaveResponse.staging_completion``); ckptmgr's ``save_async`` has captured the
+        state when it returns, so it passes none."""
+        base = self.iteration_s(update)
         self.clock.sync()
         first = self.clock.mark()
         for _ in range(4):  # the GPU is busy when the save starts, as in training
             self.step()
-        iters = 4
+        iters = 1
         t0 = time.perf_counter()
         done, finish = start()
         blocked = time.perf_counter() - t0
         save_s = math.nan
         inflight: collections.deque[Any] = collections.deque()
+        gated = before_update is None
         while True:
             for _ in range(4):
                 self.step()
-            iters += 4
+            if not gated:
+                before_update()  # type: ignore[misc]
+                gated = True
+            update()
+            iters += 1
             inflight.append(self.clock.mark())
-            if len(inflight) > 2:  # keep the host at most ~8 iterations ahead of the GPU
+            if len(inflight) > 2:  # keep the host at most ~8 matmuls ahead of the GPU
                 self.clock.wait(inflight.popleft())
             if math.isnan(save_s) and done():
                 save_s = time.perf_counter() - t0
@@ -169,7 +183,7 @@ class MatmulLoop:
                 break
         window = self.clock.seconds(first, self.clock.mark())
         finish()
-        per_iter = (base + self.iteration_s()) / 2
+        per_iter = (base + self.iteration_s(update)) / 2
         return {"lost_s": max(0.0, window - iters * per_iter), "window_s": window,
                 "save_s": save_s, "iter_s": per_iter, "iters": float(iters),
                 "blocked_s": blocked}
@@ -342,11 +356,13 @@ class GpuBench:
             staging = getattr(res, "staging_completion", None)
             upload = getattr(res, "upload_completion", res)
 
+            # A future's callbacks may run after result() has returned to a waiter: the time
+            # is taken by whichever of the callback and finish() sees the future done first.
             def on_staged(_: Any) -> None:
-                times["staged"] = time.perf_counter() - t0
+                times.setdefault("staged", time.perf_counter() - t0)
 
             def on_saved(_: Any) -> None:
-                times["saved"] = time.perf_counter() - t0
+                times.setdefault("saved", time.perf_counter() - t0)
 
             if staging is not None:
                 staging.add_done_callback(on_staged)
@@ -357,7 +373,9 @@ class GpuBench:
             def finish() -> None:
                 if staging is not None:
                     staging.result()
+                    on_staged(None)
                 upload.result()
+                on_saved(None)
 
             return upload.done, finish
         return start
@@ -541,7 +559,9 @@ def summarize(gb: GpuBench) -> dict[str, Any]:
     env = {"device": torch.cuda.get_device_name() if gb.cuda else "cpu (dry run, no CUDA)",
            "cuda": gb.cuda, "torch": torch.__version__, "python": platform.python_version(),
            "cpus": os.cpu_count(), "platform": platform.platform(), "cache_drop": gb.cache.label,
-           "max_resident_fraction_after_drop": max(gb.residency, default=0.0)}
+           "max_resident_fraction_after_drop": max(gb.residency, default=0.0),
+           "cuda_version": torch.version.cuda,
+           "gpu_max_memory_allocated_bytes": torch.cuda.max_memory_allocated() if gb.cuda else 0}
     cfg = {"size_bytes": gb.nbytes, "tensors": len(gb.state), "layers": gb.args.layers,
            "reps_asked": gb.args.reps, "reps_done": len(gb.rep_s),
            "budget_s": gb.args.budget_s, "elapsed_s": gb.elapsed(),
