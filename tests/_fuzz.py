@@ -1,4 +1,5 @@
-"""The shared engine of the parser fuzzers (``tests/test_fuzz_*.py``): mutations, sandbox, oracles.
+"""The shared engine of the parser fuzzers (``tests/adversary/test_fuzz_*.py``): mutations,
+sandbox, oracles.
 
 Every parser of bytes that come from storage or from users is attacked two ways: structured
 generation (hypothesis strategies build documents with chosen extreme fields) and mutation of valid
@@ -1344,7 +1345,7 @@ def _target_config(text: bytes) -> dict[str, Any]:
 
 def resolve_target(name: str) -> Callable[..., Any]:
     """``TARGETS[name]``, or ``module:function`` for a target kept beside its test (imported in
-    the child: tests/ is on its path)."""
+    the child: tests/ is on its path, so a module in a folder is named ``folder.module``)."""
     if ":" in name:
         import importlib
 
@@ -1420,7 +1421,8 @@ def _atheris_main(argv: list[str]) -> int:
         import atheris  # type: ignore[import-not-found,import-untyped,unused-ignore]
     except ImportError:
         print("atheris is not installed (pip install atheris); the pytest fuzzers run without "
-              "it: CKPTMGR_FUZZ_EXAMPLES=10000 pytest tests/test_fuzz_*.py", file=sys.stderr)
+              "it: CKPTMGR_FUZZ_EXAMPLES=10000 pytest tests/adversary/test_fuzz_*.py",
+              file=sys.stderr)
         return 2
     names = ("manifest", "metadata", "values", "safetensors", "hf-index", "torch", "lease",
              "config")

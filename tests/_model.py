@@ -1,5 +1,6 @@
-"""Helpers of the stateful model test (tests/test_model_lifecycle.py): simulated processes over
-real storage, the saved states, snapshots of a root, and the reference retention rule.
+"""Helpers of the stateful model test (tests/adversary/test_model_lifecycle.py): simulated
+processes over real storage, the saved states, snapshots of a root, and the reference retention
+rule.
 
 A *process* here is a :class:`Process`: every storage a manager opens while the process is the
 tap's current one is wrapped (tests/_faulty.py :func:`wrap`) and routed through it, so the test

@@ -1,5 +1,6 @@
-"""Write the golden XLA checkpoints under tests/xla/golden/ with REAL torch_xla (run it in the XLA
-lane's environment; tests/test_xla_golden.py restores them in the default suite, without torch_xla):
+"""Write the golden XLA checkpoints under tests/xla/golden/ with REAL torch_xla (run it in the
+XLA lane's environment; tests/dcp/test_xla_golden.py restores them in the default suite, without
+torch_xla):
 
     PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 PYTHONPATH=. <xla-env>/bin/python tests/xla/make_golden.py
 
