@@ -211,8 +211,9 @@ class GpuBench:
         self.state = make_gpu_state(args.size, args.layers, self.device, self.dtype)
         self.nbytes = B.state_bytes(self.state)
         self.clock.sync()
-        # Preallocated host buffers of the copy floors (pinned with CUDA).
-        self.host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
+        # Preallocated host buffers of the copy floors (pinned with CUDA), touched now so the
+        # first floor does not pay their page faults.
+        self.host = {k: torch.zeros(t.shape, dtype=t.dtype, pin_memory=self.cuda)
                      for k, t in self.state.items()}
         self._buf = memoryview(bytearray(B._IO_CHUNK))
         self.loop = MatmulLoop(self.clock, self.device, args.matmul_dim, self.dtype)
