@@ -10,8 +10,9 @@ process, as the coordinator would after gathering the plans:
 - global planning with our planner: first (no cache) and cached (a fresh copy of the same plans,
   as a new gather would deliver them);
 - DCP's own ``DefaultSavePlanner.create_global_plan`` on the same plans (its dedup and metadata);
-- the JSON metadata (``ckptmgr.dcp.encode_metadata``: one data file per rank, item locations as
-  our writer records them), its bytes and decode time (``ckptmgr.dcp.decode_metadata``);
+- the JSON metadata (``ckptmgr.dcp.metadata.encode_metadata``: one data file per rank, item
+  locations as our writer records them), its bytes and decode time
+  (``ckptmgr.dcp.metadata.decode_metadata``);
 - the manifest (``ckptmgr.codec.manifest.encode_manifest``) bytes;
 - objects written per step, and list calls for ``all_steps`` and ``restore`` (by the protocol:
   the coordinator lists, then broadcasts);
@@ -64,15 +65,21 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ckptmgr.codec.manifest import FileEntry, Manifest, encode_manifest
-from ckptmgr.dcp import CkptSavePlanner, ItemLocation, decode_metadata, encode_metadata
-from ckptmgr.dcp._lazy_metadata import (
+from ckptmgr.codec.metadata import (
     Column,
+    ColumnarStorage,
+    GridBoxes,
+    ItemLocation,
+    TensorLocations,
+)
+from ckptmgr.dcp.metadata import (
     ColumnarLocations,
     GridChunks,
-    TensorLocations,
+    decode_metadata,
+    encode_metadata,
     find_chunk,
 )
-from ckptmgr.dcp.planner import plan_token, tagged_plan
+from ckptmgr.dcp.planner import CkptSavePlanner, plan_token, tagged_plan
 
 HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, LAYERS = 8192, 28672, 128256, 64, 8, 80
 
@@ -229,7 +236,7 @@ def compact_metadata(n: int, layers: int) -> bytes:
     for key, shape, dtype, is_dt in keys:
         itemsize = dtype.itemsize
         if not is_dt:
-            chunks = GridChunks((), 0, 1, 1)
+            chunks = GridBoxes((), 0, 1, 1)
             owner = replicated % n
             replicated += 1
             file_col, pos_col = Column(1, "c", owner), Column(1, "c", int(running[owner]))
@@ -244,7 +251,7 @@ def compact_metadata(n: int, layers: int) -> bytes:
             empty = n > count  # ranks after them hold an empty chunk; one is kept
             if empty:
                 count += 1
-            chunks = GridChunks(shape, 0, step, count)
+            chunks = GridBoxes(shape, 0, step, count)
             row_bytes = math.prod(shape[1:]) * itemsize
             owners = ranks[:count].clone()
             if empty:
@@ -263,10 +270,10 @@ def compact_metadata(n: int, layers: int) -> bytes:
         else:
             sum_col = _col(sum_tensor)
         sdm[key] = TensorStorageMetadata(properties(dtype, key.startswith("model.")),
-                                         torch.Size(shape), chunks)  # type: ignore[arg-type]
+                                         torch.Size(shape), GridChunks(chunks))  # type: ignore[arg-type]
         locs[key] = TensorLocations(chunks, itemsize, file_col, pos_col, sum_col, "xxh3_64:")
     files = [data_file(r) for r in range(n)]
-    md = Metadata(sdm, storage_data=ColumnarLocations(files, locs, {}))  # type: ignore[arg-type]
+    md = Metadata(sdm, storage_data=ColumnarLocations(ColumnarStorage(files, locs, {})))
     return encode_metadata(md)
 
 

@@ -42,7 +42,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptmgr.codec.checksum import checksum
 from ckptmgr.codec.layout import (
@@ -77,6 +77,9 @@ from ckptmgr.errors import (
 from ckptmgr.policy import StepRecord
 from ckptmgr.storage import AtomicRename, Storage, is_not_found
 
+if TYPE_CHECKING:
+    from ckptmgr.codec.metadata import MetadataDoc
+
 __all__ = [
     "DCP_METADATA_NAME",
     "MAX_STEP",
@@ -84,6 +87,7 @@ __all__ = [
     "RootScan",
     "StepStore",
     "check_step",
+    "deleted_while_read",
     "is_attempt_file_name",
     "is_our_file_name",
     "unfenced",
@@ -433,6 +437,31 @@ class StepStore:
                 path=name)
         return data
 
+    def read_metadata(self, dirname: str, manifest: Manifest, *,
+                      verify: bool = True) -> MetadataDoc:
+        """The decoded DCP metadata of the committed checkpoint in ``dirname`` (a step
+        directory, or "" for the storage root itself): size-checked before reading,
+        checksum-checked after (``verify``), decoded from JSON (never pickle); torch-free.
+
+        Raises:
+            CorruptCheckpointError, UnsafeCheckpointError: as :meth:`read_dir_file`, or
+                metadata that does not decode (names the file).
+        """
+        # Here, not at the top: the metadata codec's checks use numpy, which ``ckptmgr ls``
+        # (manifests only) never loads.
+        from ckptmgr.codec.metadata import MAX_METADATA_BYTES, parse_metadata
+
+        step, name = manifest.step, manifest.metadata_file
+        data = self.read_dir_file(dirname, manifest, name, max_bytes=MAX_METADATA_BYTES,
+                                  verify=verify)
+        try:
+            return parse_metadata(data)
+        except UnsafePathError as e:
+            raise UnsafeCheckpointError(f"step {step}: {name}: {e}", step=step) from e
+        except ManifestError as e:
+            raise CorruptCheckpointError(f"step {step}: {name}: {e}", step=step,
+                                         path=name) from e
+
     def current_attempt(self, step: int) -> str | None:
         """The attempt id of ``step``'s manifest now, None if absent or unreadable."""
         try:
@@ -690,3 +719,34 @@ class StepStore:
             log.info("removing leftover of a crashed save: %s/%s", self.url, name)
             self._remove(name, recursive=True)
         return True
+
+
+def deleted_while_read(store: StepStore, step: int,
+                       attempt: str | None = None) -> CheckpointNotFoundError | None:
+    """(coordinator, after a read of committed ``step`` failed) The error that says the step was
+    deleted while it was read (its manifest is gone: retention of the job writing the root, or a
+    prune), or replaced by another save attempt than ``attempt``; None when the step still holds
+    what was read (then the failure is the step's own: damage, or an I/O error).
+
+    A reader racing retention meets files that vanish under it ("No such file"); that is no
+    damage and no I/O failure: the step simply no longer exists.
+    """
+    try:
+        current: str | None = store.read_manifest(step).attempt
+    except CheckpointNotFoundError:  # the manifest is gone (IncompleteCheckpointError too)
+        current = None
+    except CkptmgrError:  # unreadable now, or storage failing: keep the original error
+        return None
+    if current is not None and (attempt is None or current == attempt):
+        return None
+    try:
+        available = store.committed_steps()
+    except CkptmgrError:
+        available = []
+    shown = available if len(available) <= 20 else [*available[:5], "...", *available[-10:]]
+    what = ("deleted (by the retention of the job writing this root, or a prune)"
+            if current is None else "replaced (overwritten by the job writing this root)")
+    return CheckpointNotFoundError(
+        f"step {step} was {what} while it was being read from {store.url}; it is not damaged: "
+        f"restore another step (or read it again); available steps: {shown}",
+        step=step, available=available)

@@ -52,7 +52,6 @@ from ckptmgr.config import ManagerConfig
 from ckptmgr.dcp import shards
 from ckptmgr.dcp.checkpoint import (
     SavePlanners,
-    deleted_while_read,
     load_step,
     prepare_restore,
     read_restore_source,
@@ -73,7 +72,7 @@ from ckptmgr.errors import (
 from ckptmgr.info import StepInfo
 from ckptmgr.lease import Lease
 from ckptmgr.policy import StepRecord, steps_to_delete
-from ckptmgr.step_store import CommitPlan, StepStore
+from ckptmgr.step_store import CommitPlan, StepStore, deleted_while_read
 from ckptmgr.storage import open_storage, retry_budget
 
 __all__ = ["LAYOUT_KEY", "DurableOutcome", "LocalTier", "durable_after_commit", "local_view",

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from ckptmgr.codec.layout import new_attempt_id, staging_dir_name
-from ckptmgr.dcp._compat import dcp_save
+from ckptmgr.dcp.compat import dcp_save
 from ckptmgr.dcp.planner import CkptSavePlanner
 from ckptmgr.dcp.writer import CkptStorageWriter, CommitPlan
 from ckptmgr.storage import open_storage

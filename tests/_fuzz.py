@@ -486,7 +486,7 @@ class Sandbox:
 # What the targets import on first use (ckptmgr imports its manager lazily): imported once in the
 # zygote, so that a case costs its own work only.
 _PRELOAD = ("ckptmgr.manager", "ckptmgr.initial", "ckptmgr.config", "ckptmgr.lease",
-            "ckptmgr.dcp.reader", "ckptmgr.dcp._metadata_json", "safetensors.torch", "yaml",
+            "ckptmgr.dcp.reader", "ckptmgr.dcp.metadata", "safetensors.torch", "yaml",
             "_fuzz")
 _CHILD_CODE = "import sys, _fuzz; _fuzz.child_main(sys.argv[1], sys.argv[2])"
 
@@ -753,7 +753,7 @@ def _target_make_templates(where: str) -> dict[str, Any]:
     import yaml
 
     import ckptmgr
-    from ckptmgr.dcp._metadata_json import decode_metadata, encode_metadata
+    from ckptmgr.dcp.metadata import decode_metadata, encode_metadata
 
     out: dict[str, Any] = {"where": where}
     state = saved_state()
@@ -963,7 +963,7 @@ def _wrap64(v: int) -> int:
 
 
 def _v1_of(v2: bytes) -> bytes:
-    from ckptmgr.dcp._metadata_json import decode_metadata, encode_metadata
+    from ckptmgr.dcp.metadata import decode_metadata, encode_metadata
 
     return encode_metadata(decode_metadata(v2), version=1)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ckptmgr.dcp._metadata_json import decode_metadata, encode_metadata
+from ckptmgr.dcp.metadata import decode_metadata, encode_metadata
 
 
 def metadata_doc(data: bytes) -> dict[str, Any]:

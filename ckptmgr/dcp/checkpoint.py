@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from ckptmgr._arrivals import Arrivals, track
 from ckptmgr.codec.layout import step_dir_name
 from ckptmgr.codec.manifest import Manifest
+from ckptmgr.codec.metadata import ItemLocation
 from ckptmgr.codec.values import is_representable
-from ckptmgr.dcp._compat import dcp_load, dcp_save
-from ckptmgr.dcp._metadata_json import ItemLocation
+from ckptmgr.dcp.compat import dcp_load, dcp_save
 from ckptmgr.dcp.optim import prime_optimizer
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
 from ckptmgr.dcp.reader import CkptStorageReader, read_metadata_file
@@ -43,7 +43,6 @@ from ckptmgr.dcp.state import FlatState, flatten_state
 from ckptmgr.dcp.writer import CkptStorageWriter
 from ckptmgr.dcp.xla import wrap_xla_tensors
 from ckptmgr.errors import (
-    CheckpointNotFoundError,
     CkptmgrError,
     ConfigError,
     LeaseError,
@@ -62,7 +61,6 @@ __all__ = [
     "RestoreSource",
     "SavePlanners",
     "WriteOutcome",
-    "deleted_while_read",
     "first_failure",
     "load_step",
     "prepare_restore",
@@ -394,33 +392,3 @@ def load_step(prepared: PreparedRestore, store: StepStore, step: int, *, rank: i
     prepared.state.apply_values(planner.values)
     return reader.bytes_read
 
-
-def deleted_while_read(store: StepStore, step: int,
-                       attempt: str | None = None) -> CheckpointNotFoundError | None:
-    """(coordinator, after a read of committed ``step`` failed) The error that says the step was
-    deleted while it was read (its manifest is gone: retention of the job writing the root, or a
-    prune), or replaced by another save attempt than ``attempt``; None when the step still holds
-    what was read (then the failure is the step's own: damage, or an I/O error).
-
-    A reader racing retention meets files that vanish under it ("No such file"); that is no
-    damage and no I/O failure: the step simply no longer exists.
-    """
-    try:
-        current: str | None = store.read_manifest(step).attempt
-    except CheckpointNotFoundError:  # the manifest is gone (IncompleteCheckpointError too)
-        current = None
-    except CkptmgrError:  # unreadable now, or storage failing: keep the original error
-        return None
-    if current is not None and (attempt is None or current == attempt):
-        return None
-    try:
-        available = store.committed_steps()
-    except CkptmgrError:
-        available = []
-    shown = available if len(available) <= 20 else [*available[:5], "...", *available[-10:]]
-    what = ("deleted (by the retention of the job writing this root, or a prune)"
-            if current is None else "replaced (overwritten by the job writing this root)")
-    return CheckpointNotFoundError(
-        f"step {step} was {what} while it was being read from {store.url}; it is not damaged: "
-        f"restore another step (or read it again); available steps: {shown}",
-        step=step, available=available)

@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
 from ckptmgr.codec.layout import step_dir_name
-from ckptmgr.dcp._compat import dcp_load, fsspec_reader
 from ckptmgr.dcp.checkpoint import raise_load_failure
+from ckptmgr.dcp.compat import dcp_load, fsspec_reader
 from ckptmgr.dcp.importer import nest_items
 from ckptmgr.dcp.optim import prime_optimizer
 from ckptmgr.dcp.planner import CkptLoadPlanner

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from ckptmgr.dcp._compat import dcp_load
+from ckptmgr.dcp.compat import dcp_load
 from ckptmgr.dcp.planner import CkptSavePlanner
 
 __all__ = ["CachedMetadataReader", "LazyImportPlanner", "nest_items"]

@@ -40,13 +40,13 @@ from torch.futures import Future
 
 from ckptmgr.codec.checksum import Hasher, checksum
 from ckptmgr.codec.layout import join
-from ckptmgr.codec.manifest import Manifest, ManifestError, UnsafePathError
+from ckptmgr.codec.manifest import Manifest, ManifestError
+from ckptmgr.codec.metadata import ItemLocation, MetadataDoc
 from ckptmgr.codec.values import MAX_VALUE_BYTES, decode_value
 from ckptmgr.config import check_flag
 from ckptmgr.dcp._args import check_options, check_url
-from ckptmgr.dcp._lazy_metadata import find_chunk
-from ckptmgr.dcp._metadata_json import MAX_METADATA_BYTES, ItemLocation, decode_metadata
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
+from ckptmgr.dcp.metadata import find_chunk, from_doc
 from ckptmgr.dcp.planner import CkptLoadPlanner
 from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 from ckptmgr.errors import (
@@ -58,7 +58,7 @@ from ckptmgr.errors import (
 from ckptmgr.step_store import StepStore
 from ckptmgr.storage import RangeReads, Storage, is_url_supported, open_storage, redact_url
 
-__all__ = ["DEFAULT_NUM_THREADS", "CkptStorageReader", "read_metadata_file"]
+__all__ = ["DEFAULT_NUM_THREADS", "CkptStorageReader", "metadata_from_doc", "read_metadata_file"]
 
 DEFAULT_NUM_THREADS = 1
 """Read streams per rank when the caller does not choose. One: in 7 interleaved cold restores of
@@ -115,19 +115,24 @@ def read_metadata_file(store: StepStore, dirname: str, manifest: Manifest, *,
                        verify: bool = True) -> Metadata:
     """The DCP metadata of the committed checkpoint in ``dirname`` (a step directory, or "" for
     the storage root itself): size-checked before reading, checksum-checked after (``verify``),
-    decoded from JSON (never pickle).
+    decoded from JSON (never pickle) by :meth:`StepStore.read_metadata`, then made DCP's.
 
     Raises:
-        CorruptCheckpointError, UnsafeCheckpointError: as :meth:`StepStore.read_dir_file`, or
-            metadata that does not decode (names the file).
+        CorruptCheckpointError, UnsafeCheckpointError: as :meth:`StepStore.read_metadata`, or
+            a dtype this torch does not have (names the file).
+    """
+    return metadata_from_doc(store.read_metadata(dirname, manifest, verify=verify), manifest)
+
+
+def metadata_from_doc(doc: MetadataDoc, manifest: Manifest) -> Metadata:
+    """DCP ``Metadata`` for the decoded metadata file of ``manifest``'s checkpoint.
+
+    Raises:
+        CorruptCheckpointError: a dtype this torch does not have (names the file).
     """
     step, name = manifest.step, manifest.metadata_file
-    data = store.read_dir_file(dirname, manifest, name, max_bytes=MAX_METADATA_BYTES,
-                               verify=verify)
     try:
-        return decode_metadata(data)
-    except UnsafePathError as e:
-        raise UnsafeCheckpointError(f"step {step}: {name}: {e}", step=step) from e
+        return from_doc(doc)
     except ManifestError as e:
         raise CorruptCheckpointError(f"step {step}: {name}: {e}", step=step, path=name) from e
 
@@ -179,6 +184,7 @@ class CkptStorageReader(StorageReader):
         self.verify = True
         self.num_threads = DEFAULT_NUM_THREADS
         self.bytes_read = 0
+        self._devices: set[torch.device] = set()  # CUDA devices with copies queued by read_data
         if self._url is not None:
             self.storage = open_storage(self._url, self._options, writable=False)
 
@@ -362,20 +368,27 @@ class CkptStorageReader(StorageReader):
         order = sorted(groups, key=lambda i: (located[i].file, located[i].offset))
         window: list[_TensorRead] = []
         buffered = 0
-        for idx in order:
-            loc, items = located[idx], groups[idx]
-            if items[0].type == LoadItemType.BYTE_IO:
-                self._read_value(loc, items, planner)
-                continue
-            read = self._plan_tensor(idx, loc, items, planner)
-            if not read.direct:
-                if buffered + loc.length > _MAX_BUFFERED and window:
-                    self._run_window(window, planner)
-                    window, buffered = [], 0
-                buffered += loc.length
-            window.append(read)
-        if window:
-            self._run_window(window, planner)
+        self._devices = set()
+        try:
+            for idx in order:
+                loc, items = located[idx], groups[idx]
+                if items[0].type == LoadItemType.BYTE_IO:
+                    self._read_value(loc, items, planner)
+                    continue
+                read = self._plan_tensor(idx, loc, items, planner)
+                if not read.direct:
+                    if buffered + loc.length > _MAX_BUFFERED and window:
+                        self._run_window(window, planner)
+                        window, buffered = [], 0
+                    buffered += loc.length
+                window.append(read)
+            if window:
+                self._run_window(window, planner)
+        finally:
+            # Restored CUDA tensors have landed when read_data returns (also when it failed:
+            # no copy is left running into a tensor the caller goes on using).
+            for device in self._devices:
+                torch.cuda.current_stream(device).synchronize()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -399,13 +412,17 @@ class CkptStorageReader(StorageReader):
         if nbytes != loc.length:
             raise self._corrupt(f"{fqn!r} needs {nbytes} bytes, the metadata says {loc.length}",
                                 loc.file)
-        if len(items) == 1 and list(items[0].storage_offsets) == [0] * len(chunk.sizes) and (
-                list(items[0].lengths) == list(chunk.sizes)):
-            target = planner.resolve_tensor(items[0]).detach()
-            if (target.device.type == "cpu" and target.dtype == dtype
-                    and target.is_contiguous() and target.numel() == numel):
-                return _TensorRead(idx, loc, items, target, direct=True)
-        return _TensorRead(idx, loc, items, torch.empty(tuple(chunk.sizes), dtype=dtype),
+        target = planner.resolve_tensor(items[0]).detach()
+        whole = len(items) == 1 and list(items[0].storage_offsets) == [0] * len(chunk.sizes) and (
+            list(items[0].lengths) == list(chunk.sizes))
+        if (whole and target.device.type == "cpu" and target.dtype == dtype
+                and target.is_contiguous() and target.numel() == numel):
+            return _TensorRead(idx, loc, items, target, direct=True)
+        # A CUDA destination is filled from pinned memory by an asynchronous copy (committed
+        # below), which overlaps the disk reads of the next window.
+        pin = target.device.type == "cuda" and torch.cuda.is_available()
+        return _TensorRead(idx, loc, items,
+                           torch.empty(tuple(chunk.sizes), dtype=dtype, pin_memory=pin),
                            direct=False)
 
     def _run_window(self, reads: list[_TensorRead], planner: LoadPlanner) -> None:
@@ -429,7 +446,13 @@ class CkptStorageReader(StorageReader):
                         zip(ri.storage_offsets, ri.lengths, strict=True)):
                     src = src.narrow(dim, off, length)
                 target = planner.resolve_tensor(ri).detach()
-                target.copy_(src)
+                if src.is_pinned() and target.device.type == "cuda":
+                    # Queued on the current stream; the pinned buffer stays alive until the
+                    # copy ran (the host allocator records it), and read_data waits at its end.
+                    target.copy_(src, non_blocking=True)
+                    self._devices.add(target.device)
+                else:
+                    target.copy_(src)
                 planner.commit_tensor(ri, target)
 
     def _read_run(self, reads: list[_TensorRead], stop: threading.Event) -> None:

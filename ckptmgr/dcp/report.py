@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptmgr.dcp._lazy_metadata import find_chunk, overlapping_chunks, stored_volume
+from ckptmgr.dcp.metadata import find_chunk, overlapping_chunks, stored_volume
 from ckptmgr.dcp.shards import ShardedTensor, distinct_boxes
 
 __all__ = ["CompatibilityReport", "Reshard", "compatibility_report", "describe_mesh"]

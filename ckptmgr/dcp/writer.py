@@ -53,11 +53,12 @@ from ckptmgr._version import __version__
 from ckptmgr.codec.checksum import Hasher, checksum
 from ckptmgr.codec.layout import data_file_name, join, metadata_file_name, parse_step_name
 from ckptmgr.codec.manifest import FileEntry, Manifest, utc_now_iso
+from ckptmgr.codec.metadata import ItemLocation
 from ckptmgr.codec.values import MAX_VALUE_BYTES, NotRepresentableError, encode_value
 from ckptmgr.config import check_flag
 from ckptmgr.dcp._args import check_options, check_url
-from ckptmgr.dcp._metadata_json import ItemLocation, encode_metadata
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
+from ckptmgr.dcp.metadata import encode_metadata
 from ckptmgr.dcp.planner import item_bytes
 from ckptmgr.dcp.tensor_bytes import lower_thread_priority, tensor_memoryview
 from ckptmgr.errors import ConfigError, SaveError, UnsafeCheckpointError

@@ -14,6 +14,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckptmgr.codec.dtypes import DTYPE_ITEMSIZE
 from ckptmgr.codec.layout import join
 from ckptmgr.errors import (
     StorageError,
@@ -21,13 +22,12 @@ from ckptmgr.errors import (
 from ckptmgr.storage import Storage, is_not_found
 from ckptmgr.tools.listing import format_bytes as format_bytes  # re-exported
 
-# torch (and ckptmgr.dcp, which imports it) only where tensors are handled: ``ckptmgr cp`` and
-# ``prune`` use this module and start without importing torch.
+# torch (and ckptmgr.dcp, which imports it) only where tensors are handled: ``ckptmgr cp``,
+# ``prune``, ``inspect`` and ``verify`` use this module and start without importing torch.
 if TYPE_CHECKING:
     import torch
-    from torch.distributed.checkpoint.metadata import Metadata
 
-    from ckptmgr.dcp import ItemLocation
+    from ckptmgr.codec.metadata import ItemLocation, MetadataDoc
 
 _CHUNK = 16 * 1024 * 1024  # read buffer of verify and copy
 
@@ -95,14 +95,9 @@ def _file_sizes(storage: Storage, step_dir: str, paths: Iterable[str]) -> dict[s
     return out
 
 
-def _locations(md: Metadata) -> dict[tuple[str, tuple[int, ...] | None], ItemLocation]:
-    from ckptmgr.dcp import ItemLocation
-
-    out: dict[tuple[str, tuple[int, ...] | None], ItemLocation] = {}
-    for idx, loc in (md.storage_data or {}).items():
-        if isinstance(loc, ItemLocation):
-            out[(idx.fqn, None if idx.offset is None else tuple(idx.offset))] = loc
-    return out
+def _locations(md: MetadataDoc) -> dict[tuple[str, tuple[int, ...] | None], ItemLocation]:
+    """Every stored item of ``md`` by (key, chunk offsets or None for a value)."""
+    return {(fqn, offsets): loc for fqn, offsets, loc in md.locations()}
 
 
 def _natural(key: str) -> list[tuple[int, int | str]]:
@@ -114,10 +109,11 @@ def _numel(shape: Sequence[int]) -> int:
     return math.prod(shape)
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
+def _element_size(dtype: torch.dtype | str) -> int:
+    """Bytes per element of ``dtype`` (a torch dtype, or the metadata's name of one)."""
+    if isinstance(dtype, str):
+        return DTYPE_ITEMSIZE[dtype]
+    return dtype.itemsize
 
 
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ckptmgr.dcp import dtype_name
+from ckptmgr.dcp.metadata import dtype_name
 from ckptmgr.errors import ConfigError
 from ckptmgr.initial import PT_STORAGE_DTYPES, SAFETENSORS_DTYPES
 

@@ -18,9 +18,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ckptmgr.codec.layout import check_step, step_dir_name
-from ckptmgr.dcp import CkptStorageWriter, dcp_load, dcp_save
+from ckptmgr.dcp.compat import dcp_load, dcp_save
 from ckptmgr.dcp.importer import CachedMetadataReader, LazyImportPlanner, nest_items
 from ckptmgr.dcp.state import flatten_state
+from ckptmgr.dcp.writer import CkptStorageWriter
 from ckptmgr.errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ckptmgr.codec.checksum import checksum
 from ckptmgr.codec.layout import join, step_dir_name
 from ckptmgr.codec.manifest import Manifest
-from ckptmgr.dcp import ItemLocation
-from ckptmgr.dcp.checkpoint import read_step_metadata
+from ckptmgr.codec.metadata import ItemLocation, MetadataDoc
+from ckptmgr.dcp.reader import metadata_from_doc
 from ckptmgr.dcp.shards import coverage_problem
 from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 from ckptmgr.errors import CkptmgrError, ConfigError, CorruptCheckpointError, StorageError
@@ -128,12 +128,13 @@ class _Planned:
 class _TensorSource:
     """Assembles whole tensors of one step from their stored chunks, verifying each chunk."""
 
-    def __init__(self, storage: Storage, step: int, manifest: Manifest, md: Metadata) -> None:
+    def __init__(self, storage: Storage, step: int, manifest: Manifest, md: Metadata,
+                 doc: MetadataDoc) -> None:
         self.storage = storage
         self.step = step
         self.sdir = step_dir_name(step)
         self.manifest = manifest
-        self.locs = _locations(md)
+        self.locs = _locations(doc)
         self.sizes = {f.path: f.size for f in manifest.files}
         self.prefix: str | None = None  # the prefix the tensors were selected by (_open_step)
         self.tops = _tensor_tops(md)  # top-level entries holding tensors
@@ -383,13 +384,14 @@ def _open_step(url: str, step: int | None, storage_options: Mapping[str, Any] | 
     if manifest.byteorder != sys.byteorder:
         raise ConfigError(f"step {step} was written on a {manifest.byteorder}-endian host; "
                           f"this host is {sys.byteorder}-endian")
-    md = read_step_metadata(store, step, manifest)
+    doc = store.read_metadata(step_dir_name(step), manifest)
+    md = metadata_from_doc(doc, manifest)
     if only is None and default_only is not None and _default_entry(md, default_only):
         # transformers reads the model's own names: a training state's optimizer entries
         # would all be UNEXPECTED keys there (issue 31).
         only = default_only
     planned, skipped = _select(md, only, cast)
-    source = _TensorSource(storage, step, manifest, md)
+    source = _TensorSource(storage, step, manifest, md, doc)
     source.prefix = None if only is None else only.strip(".")
     source.check_files((t.key, t.meta) for t in planned)
     return step, source, planned, skipped

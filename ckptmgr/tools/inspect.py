@@ -9,9 +9,7 @@ import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from typing import TYPE_CHECKING, Any
 
 from ckptmgr.codec.checksum import Hasher
 from ckptmgr.codec.layout import (
@@ -20,8 +18,6 @@ from ckptmgr.codec.layout import (
     join,
     step_dir_name,
 )
-from ckptmgr.dcp import ItemLocation, dtype_name
-from ckptmgr.dcp.checkpoint import deleted_while_read, read_step_metadata
 from ckptmgr.errors import (
     CheckpointNotFoundError,
     CkptmgrError,
@@ -30,7 +26,7 @@ from ckptmgr.errors import (
     UnsafeCheckpointError,
 )
 from ckptmgr.info import StepInfo
-from ckptmgr.step_store import StepStore
+from ckptmgr.step_store import StepStore, deleted_while_read
 from ckptmgr.storage import Storage, is_not_found, open_storage
 from ckptmgr.tools._common import (
     _CHUNK,
@@ -43,6 +39,9 @@ from ckptmgr.tools._common import (
     _phase,
 )
 from ckptmgr.tools.listing import StepListing, list_steps
+
+if TYPE_CHECKING:
+    from ckptmgr.codec.metadata import ItemLocation
 
 __all__ = [
     "Problem",
@@ -163,7 +162,7 @@ def inspect_step(url: str, step: int | None = None, *,
     step = store.resolve(step)
     manifest, _ = store.read_manifest_bytes(step)
     try:
-        md = read_step_metadata(store, step, manifest)
+        md = store.read_metadata(step_dir_name(step), manifest)
     except (CorruptCheckpointError, StorageError) as e:
         gone = deleted_while_read(store, step, manifest.attempt)
         if gone is not None:  # retention of a job writing the root: not damage
@@ -172,15 +171,11 @@ def inspect_step(url: str, step: int | None = None, *,
     locs = _locations(md)
     tensors: list[TensorEntry] = []
     values: list[ValueEntry] = []
-    for name in sorted(md.state_dict_metadata, key=_natural):
-        sm = md.state_dict_metadata[name]
-        if isinstance(sm, TensorStorageMetadata):
-            shape = tuple(int(s) for s in sm.size)
-            chunks = tuple((tuple(int(o) for o in c.offsets), tuple(int(s) for s in c.sizes))
-                           for c in sm.chunks)
-            tensors.append(TensorEntry(
-                name, dtype_name(sm.properties.dtype), shape,
-                _numel(shape) * _element_size(sm.properties.dtype), chunks))
+    for name in sorted([*md.tensors, *md.values], key=_natural):
+        t = md.tensors.get(name)
+        if t is not None:
+            tensors.append(TensorEntry(name, t.dtype, t.size,
+                                       _numel(t.size) * _element_size(t.dtype), tuple(t.chunks)))
         else:
             loc = locs.get((name, None))
             values.append(ValueEntry(name, loc.enc if loc else "?", loc.length if loc else 0))
@@ -288,7 +283,7 @@ def _verify_one(storage: Storage, step: int, p: Progress) -> StepVerification:
     md_name = manifest.metadata_file
     if not any(pr.path == md_name for pr in problems):
         try:
-            md = read_step_metadata(StepStore(storage), step, manifest)
+            md = StepStore(storage).read_metadata(sdir, manifest)
         except (CorruptCheckpointError, UnsafeCheckpointError) as e:
             problems.append(Problem(md_name, str(e).split(": ", 2)[-1]))
         else:

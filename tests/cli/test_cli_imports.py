@@ -76,3 +76,16 @@ def test_import_ckptmgr_is_lazy() -> None:
                        timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+def test_inspect_and_verify_import_no_torch(tmp_path: Path) -> None:
+    # the metadata is read by ckptmgr.codec (numpy for its checks), never through torch
+    root = tmp_path / "run"
+    with ckptmgr.CheckpointManager(str(root), 1) as mgr:
+        mgr.save(3, {"w": torch.zeros(2), "epoch": 1})
+    rc, out, heavy = _probe("inspect", "--json", str(root), "3")
+    assert rc == 0 and json.loads(out)["step"] == 3
+    assert "torch" not in heavy, heavy
+    rc, out, heavy = _probe("verify", str(root))
+    assert rc == 0, out
+    assert "torch" not in heavy, heavy

@@ -26,15 +26,17 @@ from torch.distributed.checkpoint.metadata import (
 
 import ckptmgr
 from ckptmgr.codec.manifest import ManifestError, UnsafePathError
-from ckptmgr.dcp._lazy_metadata import (
+from ckptmgr.codec.metadata import MAGIC, ItemLocation
+from ckptmgr.dcp.metadata import (
     ChunkTable,
     ColumnarLocations,
     GridChunks,
+    decode_metadata,
+    encode_metadata,
     find_chunk,
     overlapping_chunks,
     stored_volume,
 )
-from ckptmgr.dcp._metadata_json import MAGIC, decode_metadata, encode_metadata
 from ckptmgr.dcp.planner import CkptSavePlanner
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metadata_v1"
@@ -147,13 +149,13 @@ def _irregular() -> Metadata:
             n = max(1, c.sizes.numel()) * (8 if fqn == "s" else 4)
             if fqn == "e" and not c.sizes.numel():
                 n = 0
-            storage[MetadataIndex(fqn, c.offsets)] = ckptmgr.dcp.ItemLocation(
+            storage[MetadataIndex(fqn, c.offsets)] = ItemLocation(
                 f"data-0123456789ab-r{i % 3:05d}-000.bin", pos, n,
                 f"xxh3_64:{(pos * 2654435761 + i) % (1 << 64):016x}", "raw")
             pos += n
-    storage[MetadataIndex("v")] = ckptmgr.dcp.ItemLocation(
+    storage[MetadataIndex("v")] = ItemLocation(
         "data-0123456789ab-r00000-000.bin", pos, 5, "xxh3_64:00000000000000ff", "json")
-    storage[MetadataIndex("p")] = ckptmgr.dcp.ItemLocation(
+    storage[MetadataIndex("p")] = ItemLocation(
         "data-0123456789ab-r00001-000.bin", 0, 9, "xxh3_64:ffffffffffffffff", "pickle")
     return Metadata(sdm, planner_data={"a": ("x", "a"), "v": ("x", 0)}, storage_data=storage)
 
@@ -179,7 +181,7 @@ def test_irregular_layouts_values_and_planner_data_round_trip() -> None:
 def test_metadata_that_does_not_fit_format_2_is_written_as_format_1() -> None:
     md = _irregular()
     idx = MetadataIndex("a", [0, 0])
-    md.storage_data[idx] = ckptmgr.dcp.ItemLocation(  # type: ignore[index]
+    md.storage_data[idx] = ItemLocation(  # type: ignore[index]
         "data-0123456789ab-r00000-000.bin", 0, 24, "md5:abc", "raw")
     data = encode_metadata(md)
     assert data.startswith(b"{")
@@ -260,7 +262,7 @@ def _grid_md() -> bytes:
     chunks = [ChunkStorageMetadata(torch.Size([i * 2, 0]), torch.Size([2, 3])) for i in range(4)]
     md = Metadata({"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32),
                                               torch.Size([8, 3]), chunks)},
-                  storage_data={MetadataIndex("w", c.offsets): ckptmgr.dcp.ItemLocation(
+                  storage_data={MetadataIndex("w", c.offsets): ItemLocation(
                       f"data-0123456789ab-r{i:05d}-000.bin", 0, 24,
                       f"xxh3_64:{i * 977:016x}", "raw") for i, c in enumerate(chunks)})
     return encode_metadata(md)

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.default_planner import (
 from torch.distributed.checkpoint.planner import SavePlan
 
 import ckptmgr
-from ckptmgr.dcp._compat import uses_private_entry_points
+from ckptmgr.dcp.compat import uses_private_entry_points
 from ckptmgr.dcp.planner import CkptSavePlanner, PlanTokenError, default_structure_key
 
 
@@ -232,7 +232,7 @@ def test_dcp_entry_points_found() -> None:
 
 
 def test_public_dcp_fallback(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptmgr.dcp import _compat
+    from ckptmgr.dcp import compat as _compat
 
     def changed(state_dict: Any, writer: Any, *, group: Any = None) -> None:
         raise AssertionError("never called")

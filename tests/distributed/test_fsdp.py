@@ -290,7 +290,7 @@ def _ddp_balance(mgr: Any, root: str) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel
 
     from ckptmgr.dcp import ModelOptimizerState
-    from ckptmgr.dcp._metadata_json import decode_metadata
+    from ckptmgr.dcp.metadata import decode_metadata
 
     torch.manual_seed(0)
     model = DistributedDataParallel(

@@ -1,18 +1,23 @@
-"""DCP ``Metadata`` as bytes and back, so reading a checkpoint never runs pickle.
+"""The DCP metadata file as bytes and back, torch-free, so reading a checkpoint never runs pickle.
 
 The encoding holds what loading needs: per key, tensor dtype, global size and stored chunks, or a
 marker for an encoded Python value; and per stored item, where its bytes are (file, offset, length),
-their checksum and encoding. Decoding validates every field and every path.
+their checksum and encoding. :func:`parse_metadata` validates every field and every path and gives
+a :class:`MetadataDoc` of plain structures; :mod:`ckptmgr.dcp.metadata` turns one into DCP's
+``Metadata`` (and back, for writing), and ``ckptmgr inspect``/``verify`` read it without torch.
 
-Two formats (docs/byte-format.md), both read by :func:`decode_metadata`:
+Two formats (docs/byte-format.md), both read by :func:`parse_metadata`:
 
 - **format 2** (written since issue 18): a JSON header plus packed integer columns. Per tensor its
   chunks are one record when they split one dimension regularly (FSDP2's ``Shard(0)``: "N chunks
   of r rows, the last ones shorter") or one int64 column otherwise; storage locations (file,
   position, checksum) are columns too, each stored as a constant, an arithmetic run, runs of
   equal values or packed ints; lengths follow from the chunk sizes. Decoding is O(tensors) plus
-  vectorised range checks of the packed columns, and gives lazy ``md.chunks`` sequences and a
-  lazy ``storage_data`` mapping (:mod:`._lazy_metadata`).
+  vectorised range checks of the packed columns, and gives lazy chunk sequences
+  (:class:`GridBoxes`, :class:`BoxTable`) and lazy locations (:class:`ColumnarStorage`) that
+  make a chunk or a location only when asked: at N ranks an FSDP2 checkpoint has N chunks per
+  sharded tensor, and building them all costs O(ranks x tensors) Python objects (seconds at 16k
+  ranks).
 - **format 1**: one JSON document with an object per chunk and per stored item
   (O(ranks x tensors) objects); still written when the metadata does not fit format 2's model
   (a tensor item not stored raw, a checksum that is not ``<prefix><16 hex digits>``, a length
@@ -22,41 +27,35 @@ Optional, when the save planner flattened a nested state dict (DCP's default pla
 ``planner_data``, each flat key's path in the nested dict (tagged JSON: str keys and int list
 indices), which DCP's own tools use to rebuild nesting (``_EmptyStateDictLoadPlanner``,
 ``load_sharded_optimizer_state_dict``). A planner whose data is anything else keeps it to itself.
+
+The vectorised checks use numpy (int64 arrays), never torch.
 """
 
 from __future__ import annotations
 
-import ctypes
+import bisect
 import itertools
 import json
 import math
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-import torch
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+import numpy as np
 
+from ckptmgr.codec.dtypes import DTYPE_ITEMSIZE
 from ckptmgr.codec.layout import check_file_name
 from ckptmgr.codec.manifest import ManifestError, UnsafePathError, check_json_depth
 from ckptmgr.codec.values import NotRepresentableError, decode_tagged, encode_tagged
-from ckptmgr.dcp._lazy_metadata import (
-    ChunkTable,
-    Column,
-    ColumnarLocations,
-    GridChunks,
-    ItemLocation,
-    TensorLocations,
-)
 
-__all__ = ["ENCODINGS", "ItemLocation", "decode_metadata", "dtype_name", "encode_metadata"]
+__all__ = [
+    "ENCODINGS", "MAGIC", "MAX_METADATA_BYTES", "VERSION", "VERSIONS", "Box",
+    "BoxList", "BoxTable", "Boxes", "ColumnarStorage", "Column", "GridBoxes", "ItemLocation",
+    "MetadataDoc", "StorageKey", "TensorEntry", "TensorLocations", "parse_metadata",
+    "serialize_metadata",
+]
 
 ENCODINGS = ("raw", "json", "pickle")
 # A Python value is tagged JSON, or pickle (read only when trusted); a reader that took any other
@@ -86,19 +85,404 @@ _MAX_CORNERS = 1 << 26
 # 0.1 s per MiB: most of the decode time of a 16k-rank step); the parser bounds the depth itself.
 _DEPTH_PRESCAN_BYTES = 1 << 20
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""One chunk: its offsets and its sizes, per dimension."""
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``."""
-    return str(dtype).removeprefix("torch.")
+StorageKey = tuple[str, "tuple[int, ...] | None"]
+"""Which stored item: the key, and a tensor chunk's offsets (None for a Python value)."""
 
 
-def _dtype(name: Any) -> torch.dtype:
+@dataclass(frozen=True)
+class ItemLocation:
+    """Where one stored item's bytes are, inside the step directory."""
+
+    file: str
+    offset: int
+    length: int
+    checksum: str
+    enc: str  # "raw" tensor bytes, "json" tagged JSON value, "pickle" torch.save bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# Compact, lazily expanded chunk lists and locations (what format 2 decodes into).
+
+
+class Column:
+    """A read-only column of ``n`` int64 values: a constant, an arithmetic run, runs of equal
+    values, or packed native-order int64 (read in place from a bytearray or a read-only buffer
+    such as the metadata file's bytes)."""
+
+    __slots__ = ("_view", "a", "b", "kind", "n")
+
+    def __init__(self, n: int, kind: str, a: Any, b: Any = None) -> None:
+        # kind "c": a = value; "a": a = start, b = step; "r": a = values, b = run ends
+        # (cumulative, the last == n); "q": a = buffer, b = byte offset of the n values.
+        self.n, self.kind, self.a, self.b = n, kind, a, b
+        self._view: Any = None
+
+    @classmethod
+    def packed(cls, values: Sequence[int]) -> Column:
+        """A packed column of ``values``."""
+        return cls(len(values), "q", bytearray(array("q", values).tobytes()), 0)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        k = self.kind
+        if k == "c":
+            return int(self.a)
+        if k == "a":
+            return int(self.a + i * self.b)
+        if k == "r":
+            return int(self.a[bisect.bisect_right(self.b, i)])
+        if self._view is None:
+            self._view = memoryview(self.a)[self.b:self.b + 8 * self.n].cast("q")
+        return int(self._view[i])
+
+    def to_array(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """All values as an int64 array (a read-only view of the bytes for a packed column)."""
+        k = self.kind
+        if k == "c":
+            return np.full(self.n, int(self.a), dtype=np.int64)
+        if k == "a":
+            return int(self.a) + np.arange(self.n, dtype=np.int64) * int(self.b)
+        if k == "r":
+            ends = np.asarray(self.b, dtype=np.int64)
+            counts = ends - np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]])
+            return np.repeat(np.asarray(self.a, dtype=np.int64), counts)
+        if self.n == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.frombuffer(self.a, dtype=np.int64, count=self.n, offset=self.b)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        if self.kind == "q" and not isinstance(self.a, bytearray):
+            # A view of the metadata file's bytes: pickle only this column's.
+            return (Column, (self.n, "q", bytearray(
+                memoryview(self.a)[self.b:self.b + 8 * self.n]), 0))
+        return (Column, (self.n, self.kind, self.a, self.b))
+
+
+class Boxes:
+    """The chunks of one tensor of ``size``, as a sequence of :data:`Box` made on demand."""
+
+    size: tuple[int, ...]
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def box(self, i: int) -> Box:
+        """Offsets and sizes of chunk ``i`` (0 <= i < len)."""
+        raise NotImplementedError
+
+    def index_of(self, offsets: Sequence[int], hint: int | None = None) -> int | None:
+        """The index of the chunk at ``offsets``, or None (``hint``: where it likely is)."""
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Box]:
+        for i in range(len(self)):
+            yield self.box(i)
+
+    def volume(self) -> int:
+        """Elements the chunks hold in total."""
+        return sum(math.prod(s) for _, s in self)
+
+    def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """Indices of the non-empty chunks that share an element with the box (``offsets``,
+        ``sizes``)."""
+        if math.prod(sizes) == 0:
+            return []
+        out = []
+        for i, (co, cs) in enumerate(self):
+            if math.prod(cs) and all(a < b + bs and b < a + as_ for a, as_, b, bs in zip(
+                    offsets, sizes, co, cs, strict=True)):
+                out.append(i)
+        return out
+
+    def same_boxes(self, other: Boxes) -> bool:
+        """Whether ``other`` lists the same chunks in the same order."""
+        return other is self or (len(self) == len(other) and all(
+            self.box(i) == other.box(i) for i in range(len(self))))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} chunks of {list(self.size)})"
+
+
+class BoxList(Boxes):
+    """Chunks listed one by one (format 1, or metadata built in memory)."""
+
+    def __init__(self, size: Sequence[int], boxes: Sequence[Box]) -> None:
+        self.size = tuple(size)
+        self.boxes = list(boxes)
+        self._where: dict[tuple[int, ...], int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.boxes)
+
+    def box(self, i: int) -> Box:
+        return self.boxes[i]
+
+    def index_of(self, offsets: Sequence[int], hint: int | None = None) -> int | None:
+        key = tuple(offsets)
+        if hint is not None and 0 <= hint < len(self.boxes) and self.boxes[hint][0] == key:
+            return hint
+        if self._where is None:
+            where: dict[tuple[int, ...], int] = {}
+            for i, (o, _) in enumerate(self.boxes):
+                where.setdefault(o, i)
+            self._where = where
+        return self._where.get(key)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (BoxList, (self.size, self.boxes))
+
+
+class GridBoxes(Boxes):
+    """``count`` chunks splitting dimension ``dim`` of a tensor of ``size`` into runs of
+    ``step`` (torch.chunk's rule, which FSDP2's ``Shard(0)`` follows): chunk i starts at
+    ``min(i * step, size[dim])`` along ``dim`` (0 elsewhere) and spans
+    ``min(step, size[dim] - i * step)`` of it, at least 0 (the whole of every other
+    dimension); at most one chunk starts at the end (an empty one, as DCP's dedup keeps). A 0-d
+    tensor has one chunk, its whole self."""
+
+    def __init__(self, size: Sequence[int], dim: int, step: int, count: int) -> None:
+        self.size = tuple(size)
+        self.dim, self.step, self.num_chunks = dim, step, count
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def box(self, i: int) -> Box:
+        if not self.size:
+            return (), ()
+        d = self.dim
+        start = min(i * self.step, self.size[d])
+        offsets = [0] * len(self.size)
+        offsets[d] = start
+        sizes = list(self.size)
+        sizes[d] = max(0, min(self.step, self.size[d] - start))
+        return tuple(offsets), tuple(sizes)
+
+    def rows(self, i: int) -> int:
+        """Extent of chunk ``i`` along ``dim``."""
+        if not self.size:
+            return 1
+        return max(0, min(self.step, self.size[self.dim] - i * self.step))
+
+    def index_of(self, offsets: Sequence[int], hint: int | None = None) -> int | None:
+        if len(offsets) != len(self.size):
+            return None
+        if not self.size:
+            return 0 if self.num_chunks else None
+        d = self.dim
+        o = offsets[d]
+        if any(x for j, x in enumerate(offsets) if j != d):
+            return None
+        if o == self.size[d]:
+            i = -(-o // self.step)  # the first chunk that starts at the end (an empty one)
+        elif o % self.step:
+            return None
+        else:
+            i = o // self.step
+        return i if 0 <= i < self.num_chunks else None
+
+    def volume(self) -> int:
+        """O(1)."""
+        if not self.size:
+            return self.num_chunks
+        d = self.dim
+        rows = min(self.size[d], self.num_chunks * self.step)
+        return rows * math.prod([s for j, s in enumerate(self.size) if j != d])
+
+    def overlapping(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """O(answer)."""
+        if not self.size:
+            return super().overlapping(offsets, sizes)
+        if math.prod(sizes) == 0:
+            return []
+        d, step = self.dim, self.step
+        lo, hi = offsets[d], offsets[d] + sizes[d]
+        first = lo // step
+        last = min(self.num_chunks, -(-hi // step))
+        return [i for i in range(max(first, 0), last) if self.rows(i) and math.prod(
+            [self.rows(i) if j == d else s for j, s in enumerate(self.size)])]
+
+    def same_boxes(self, other: Boxes) -> bool:
+        if isinstance(other, GridBoxes) and (self.size, self.dim, self.step, self.num_chunks) == (
+                other.size, other.dim, other.step, other.num_chunks):
+            return True
+        return super().same_boxes(other)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (GridBoxes, (self.size, self.dim, self.step, self.num_chunks))
+
+
+class BoxTable(Boxes):
+    """Any list of chunks: ``column`` holds, per chunk, its offsets then its sizes."""
+
+    def __init__(self, size: Sequence[int], count: int, column: Column) -> None:
+        self.size = tuple(size)
+        self.num_chunks = count
+        self.column = column
+        self._where: dict[tuple[int, ...], int] | None = None
+
+    def __len__(self) -> int:
+        return self.num_chunks
+
+    def box(self, i: int) -> Box:
+        nd = len(self.size)
+        base = 2 * nd * i
+        col = self.column
+        return (tuple(col[base + j] for j in range(nd)),
+                tuple(col[base + nd + j] for j in range(nd)))
+
+    def index_of(self, offsets: Sequence[int], hint: int | None = None) -> int | None:
+        key = tuple(offsets)
+        if hint is not None and 0 <= hint < self.num_chunks and self.box(hint)[0] == key:
+            return hint
+        if self._where is None:
+            where: dict[tuple[int, ...], int] = {}
+            for i in range(self.num_chunks):
+                where.setdefault(self.box(i)[0], i)
+            self._where = where
+        return self._where.get(key)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (BoxTable, (self.size, self.num_chunks, self.column))
+
+
+@dataclass(frozen=True)
+class TensorLocations:
+    """Where each chunk of one tensor is stored: file index (into the files table), position,
+    and the checksum's 64 bits (written as ``prefix`` + 16 hex digits); the length is the chunk's
+    elements times ``itemsize``."""
+
+    chunks: GridBoxes | BoxTable
+    itemsize: int
+    file: Column
+    pos: Column
+    checksum: Column
+    prefix: str
+
+    def location(self, files: Sequence[str], i: int) -> ItemLocation:
+        """The location of chunk ``i``."""
+        c = self.chunks
+        if isinstance(c, GridBoxes):
+            if c.size:
+                d = c.dim
+                n = c.rows(i) * math.prod([s for j, s in enumerate(c.size) if j != d])
+            else:
+                n = 1
+        else:
+            n = math.prod(c.box(i)[1])
+        bits = self.checksum[i] & ((1 << 64) - 1)
+        return ItemLocation(files[self.file[i]], self.pos[i], n * self.itemsize,
+                            f"{self.prefix}{bits:016x}", "raw")
+
+
+class ColumnarStorage:
+    """The locations of format-2 metadata: made on lookup from per-tensor columns (tensor
+    chunks) or taken from a small dict (values, by key)."""
+
+    def __init__(self, files: Sequence[str], tensors: Mapping[str, TensorLocations],
+                 values: Mapping[str, ItemLocation]) -> None:
+        self.files = tuple(files)
+        self.tensors = dict(tensors)
+        self.values = dict(values)
+
+    def get(self, fqn: str, offsets: Sequence[int] | None,
+            hint: int | None = None) -> ItemLocation | None:
+        """The location of value ``fqn`` (``offsets`` None) or of its chunk at ``offsets``."""
+        if offsets is None:
+            return self.values.get(fqn)
+        t = self.tensors.get(fqn)
+        if t is None:
+            return None
+        i = t.chunks.index_of(offsets, hint)
+        return None if i is None else t.location(self.files, i)
+
+    def entries(self) -> Iterator[tuple[str, tuple[int, ...] | None, int | None]]:
+        """``(fqn, offsets, chunk index)`` of every stored item: tensor chunks, then values."""
+        for fqn, t in self.tensors.items():
+            for i in range(len(t.chunks)):
+                yield fqn, t.chunks.box(i)[0], i
+        for fqn in self.values:
+            yield fqn, None, None
+
+    def __len__(self) -> int:
+        return len(self.values) + sum(len(t.chunks) for t in self.tensors.values())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ColumnarStorage, (self.files, self.tensors, self.values))
+
+    def __repr__(self) -> str:
+        return (f"ColumnarStorage({len(self.tensors)} tensors, "
+                f"{len(self.values)} values, {len(self.files)} files)")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the checkpoint: dtype (torch's name), global size, stored chunks."""
+
+    dtype: str
+    size: tuple[int, ...]
+    chunks: Boxes
+
+
+@dataclass
+class MetadataDoc:
+    """Decoded metadata, torch-free.
+
+    Attributes:
+        tensors: key -> :class:`TensorEntry`.
+        values: the keys of Python values (stored as tagged JSON or pickle).
+        storage: where each item is: a :class:`ColumnarStorage` (format 2), a dict from
+            :data:`StorageKey` to :class:`ItemLocation` (format 1), or None (no locations).
+        planner_data: each flat key's path in the nested state dict, or None.
+        dcp_version: DCP's metadata version string, or None.
+    """
+
+    tensors: dict[str, TensorEntry]
+    values: list[str]
+    storage: ColumnarStorage | dict[StorageKey, ItemLocation] | None
+    planner_data: dict[str, tuple[str | int, ...]] | None = None
+    dcp_version: str | None = None
+
+    def location(self, fqn: str, offsets: Sequence[int] | None) -> ItemLocation | None:
+        """Where value ``fqn`` (``offsets`` None) or its chunk at ``offsets`` is stored."""
+        s = self.storage
+        if s is None:
+            return None
+        if isinstance(s, ColumnarStorage):
+            return s.get(fqn, offsets)
+        return s.get((fqn, None if offsets is None else tuple(offsets)))
+
+    def locations(self) -> Iterator[tuple[str, tuple[int, ...] | None, ItemLocation]]:
+        """Every stored item: ``(fqn, chunk offsets or None for a value, location)``."""
+        s = self.storage
+        if isinstance(s, ColumnarStorage):
+            for fqn, t in s.tensors.items():
+                for i in range(len(t.chunks)):
+                    yield fqn, t.chunks.box(i)[0], t.location(s.files, i)
+            for fqn, loc in s.values.items():
+                yield fqn, None, loc
+        elif s is not None:
+            for (fqn, offsets), loc in s.items():
+                yield fqn, offsets, loc
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding: shared fields.
+
+
+def _dtype(name: Any) -> str:
     if not isinstance(name, str) or not name.isidentifier():
         raise ManifestError(f"bad dtype {name!r}")
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):
+    if name not in DTYPE_ITEMSIZE:
         raise ManifestError(f"unknown dtype {name!r}")
-    return dt
+    return name
 
 
 def _ints(v: Any, what: str) -> list[int]:
@@ -119,33 +503,28 @@ def _size(v: Any, fqn: str) -> tuple[int, ...]:
     return size
 
 
-def _encode_v1(md: Metadata) -> bytes:
-    """Format 1: ``md`` (``storage_data``: MetadataIndex -> ItemLocation) as one JSON document."""
+def _encode_v1(doc: MetadataDoc) -> bytes:
+    """Format 1: ``doc`` as one JSON document."""
     tensors: dict[str, Any] = {}
-    values: list[str] = []
-    for fqn, sm in md.state_dict_metadata.items():
-        if isinstance(sm, TensorStorageMetadata):
-            tensors[fqn] = {
-                "dtype": dtype_name(sm.properties.dtype),
-                "size": list(sm.size),
-                "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)}
-                           for c in sm.chunks],
-            }
-        else:
-            values.append(fqn)
+    for fqn, t in doc.tensors.items():
+        tensors[fqn] = {
+            "dtype": t.dtype,
+            "size": list(t.size),
+            "chunks": [{"offsets": list(o), "sizes": list(s)} for o, s in t.chunks],
+        }
     storage = []
-    for idx, loc in (md.storage_data or {}).items():
+    for fqn, offsets, loc in doc.locations():
         storage.append({
-            "fqn": idx.fqn, "offset": None if idx.offset is None else list(idx.offset),
+            "fqn": fqn, "offset": None if offsets is None else list(offsets),
             "file": loc.file, "pos": loc.offset, "length": loc.length,
             "checksum": loc.checksum, "enc": loc.enc,
         })
-    doc: dict[str, Any] = {"format": FORMAT, "version": 1, "dcp_version": md.version,
-                           "tensors": tensors, "values": values, "storage": storage}
-    paths = _planner_paths(md.planner_data)
+    out: dict[str, Any] = {"format": FORMAT, "version": 1, "dcp_version": doc.dcp_version,
+                           "tensors": tensors, "values": list(doc.values), "storage": storage}
+    paths = _planner_paths(doc.planner_data)
     if paths is not None:
-        doc["planner_data"] = paths
-    return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+        out["planner_data"] = paths
+    return json.dumps(out, separators=(",", ":")).encode("utf-8")
 
 
 def _planner_paths(planner_data: Any) -> Any:
@@ -179,7 +558,7 @@ def _decode_planner_paths(doc: Any) -> dict[str, tuple[str | int, ...]]:
     return out
 
 
-def _decode_v1(data: bytes) -> Metadata:
+def _decode_v1(data: bytes) -> MetadataDoc:
     """Format 1 (one JSON document)."""
     if len(data) <= _DEPTH_PRESCAN_BYTES:
         check_json_depth(data, 16)
@@ -196,7 +575,8 @@ def _decode_v1(data: bytes) -> Metadata:
     if doc.get("version") != 1:
         raise ManifestError(f"metadata version {doc.get('version')!r} is not supported by this "
                             "ckptmgr (it reads versions 1 and 2): upgrade ckptmgr")
-    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    out: dict[str, TensorEntry] = {}
+    keys: set[str] = set()
     tensors = doc.get("tensors")
     values = doc.get("values")
     storage = doc.get("storage")
@@ -207,7 +587,7 @@ def _decode_v1(data: bytes) -> Metadata:
         if not isinstance(t, dict) or not isinstance(t.get("chunks"), list):
             raise ManifestError(f"bad tensor entry for {fqn!r}")
         size = _size(t.get("size"), fqn)
-        chunks = []
+        boxes: list[Box] = []
         flat: list[int] = []
         for c in t["chunks"]:
             if not isinstance(c, dict):
@@ -218,47 +598,52 @@ def _decode_v1(data: bytes) -> Metadata:
                 raise _outside(fqn)
             flat += offs
             flat += sizes
-            chunks.append(ChunkStorageMetadata(torch.Size(offs), torch.Size(sizes)))
-        if len(chunks) != 1 or flat != [0] * len(size) + list(size):  # one whole chunk: fine
-            _check_chunks(fqn, size, torch.tensor(flat, dtype=torch.int64).view(
-                len(chunks), 2, len(size)))
-        sdm[fqn] = TensorStorageMetadata(
-            TensorProperties(dtype=_dtype(t.get("dtype"))), torch.Size(size), chunks)
+            boxes.append((tuple(offs), tuple(sizes)))
+        if len(boxes) != 1 or flat != [0] * len(size) + list(size):  # one whole chunk: fine
+            _check_chunks(fqn, size, np.array(flat, dtype=np.int64).reshape(
+                len(boxes), 2, len(size)))
+        out[fqn] = TensorEntry(_dtype(t.get("dtype")), size, BoxList(size, boxes))
+        keys.add(fqn)
+    value_keys: list[str] = []
     for fqn in values:
-        if not isinstance(fqn, str) or fqn in sdm:
+        if not isinstance(fqn, str) or fqn in keys:
             raise ManifestError(f"bad or repeated value key {fqn!r}"[:300])
-        sdm[fqn] = BytesStorageMetadata()
-    storage_data: dict[MetadataIndex, ItemLocation] = {}
+        keys.add(fqn)
+        value_keys.append(fqn)
+    is_values = set(value_keys)
+    storage_data: dict[StorageKey, ItemLocation] = {}
     for s in storage:
         if not isinstance(s, dict) or not isinstance(s.get("fqn"), str):
             raise ManifestError("bad storage entry")
         fqn = s["fqn"]
-        if fqn not in sdm:
+        if fqn not in keys:
             raise ManifestError(f"storage entry for unknown key {fqn!r}")
         off = s.get("offset")
-        idx = MetadataIndex(fqn, None if off is None else _ints(off, f"{fqn} offset"))
+        key = (fqn, None if off is None else tuple(_ints(off, f"{fqn} offset")))
         try:
             file = check_file_name(s.get("file"))  # type: ignore[arg-type]
         except ValueError as e:
             raise UnsafePathError(
                 f"storage path of {fqn!r} escapes the step directory: {e}") from e
         pos, length = _ints([s.get("pos"), s.get("length")], f"{fqn} position")
-        is_value = isinstance(sdm[fqn], BytesStorageMetadata)
+        is_value = fqn in is_values
         if (s.get("enc") not in (_VALUE_ENCODINGS if is_value else ENCODINGS)
                 or not isinstance(s.get("checksum"), str) or is_value != (off is None)):
             raise ManifestError(f"bad encoding, checksum or offset for {fqn!r}")
-        storage_data[idx] = ItemLocation(file, pos, length, s["checksum"], s["enc"])
+        storage_data[key] = ItemLocation(file, pos, length, s["checksum"], s["enc"])
     dcp_version = doc.get("dcp_version")
     planner_data = (_decode_planner_paths(doc["planner_data"]) if doc.get("planner_data")
                     is not None else None)
-    return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage_data,
-                    version=dcp_version if isinstance(dcp_version, str) else None)
+    return MetadataDoc(out, value_keys, storage_data, planner_data,
+                       dcp_version if isinstance(dcp_version, str) else None)
 
 
 # ---------------------------------------------------------------------------------------------
 # Chunks: inside the tensor, covering it exactly once. A restore reads only the chunks that
 # overlap what it loads, so a chunk listed twice (or a gap) would leave part of the destination
 # as it was, silently; bounds are compared, never added (2**62 + 2**62 wraps in int64).
+
+_Int64s = np.ndarray[Any, np.dtype[np.int64]]
 
 
 def _outside(fqn: str) -> ManifestError:
@@ -276,9 +661,9 @@ _CHECKED: dict[tuple[tuple[int, ...], bytes], None] = {}
 _MAX_CHECKED = 4096
 
 
-def _check_chunks(fqn: str, size: tuple[int, ...], box: torch.Tensor) -> None:
+def _check_chunks(fqn: str, size: tuple[int, ...], box: _Int64s) -> None:
     """:func:`_check_chunk_table`, once per distinct (size, table)."""
-    key = (tuple(size), box.contiguous().numpy().tobytes())
+    key = (tuple(size), np.ascontiguousarray(box).tobytes())
     if key in _CHECKED:
         return
     _check_chunk_table(fqn, size, box)
@@ -287,7 +672,7 @@ def _check_chunks(fqn: str, size: tuple[int, ...], box: torch.Tensor) -> None:
     _CHECKED[key] = None
 
 
-def _check_chunk_table(fqn: str, size: tuple[int, ...], box: torch.Tensor) -> None:
+def _check_chunk_table(fqn: str, size: tuple[int, ...], box: _Int64s) -> None:
     """Raise ManifestError unless the chunks ``box`` (int64, ``[n, 2, ndim]``: offsets then
     sizes, every value in [0, 2**63)) lie inside a tensor of ``size`` and cover each of its
     elements exactly once (empty chunks cover nothing and may sit anywhere inside).
@@ -301,22 +686,22 @@ def _check_chunk_table(fqn: str, size: tuple[int, ...], box: torch.Tensor) -> No
             raise _not_once(fqn, f"a 0-d tensor has one chunk, the metadata lists {n}")
         return
     offs, lens = box[:, 0, :], box[:, 1, :]
-    limit = torch.tensor(size, dtype=torch.int64)
+    limit = np.array(size, dtype=np.int64)
     if bool((offs > limit).any()) or bool((lens > limit - offs).any()):
         raise _outside(fqn)
     if math.prod(size) == 0:
         return  # no element to cover: every chunk is empty
-    full = (lens > 0).all(dim=1)
+    full = (lens > 0).all(axis=1)
     offs, lens = offs[full], lens[full]
     if offs.shape[0] == 0:
         raise _not_once(fqn, "no chunk holds any of its elements")
     # Only the dimensions some chunk does not span whole matter (the others add nothing).
-    split = ((offs != 0) | (lens != limit)).any(dim=0).nonzero().flatten().tolist()
+    split = np.flatnonzero(((offs != 0) | (lens != limit)).any(axis=0)).tolist()
     if not split:
         if offs.shape[0] > 1:
             raise _not_once(fqn, f"{offs.shape[0]} chunks each hold the whole tensor")
         return
-    lo = offs[:, split].contiguous()
+    lo = np.ascontiguousarray(offs[:, split])
     hi = lo + lens[:, split]  # no overflow: hi <= size
     dims = [size[d] for d in split]
     if len(split) == 1:
@@ -325,15 +710,14 @@ def _check_chunk_table(fqn: str, size: tuple[int, ...], box: torch.Tensor) -> No
         _check_corner_parity(fqn, lo, hi, dims)
 
 
-def _check_intervals(fqn: str, dim: int, length: int, lo: torch.Tensor,
-                     hi: torch.Tensor) -> None:
+def _check_intervals(fqn: str, dim: int, length: int, lo: _Int64s, hi: _Int64s) -> None:
     """Non-empty intervals [lo, hi) tile [0, length) exactly once: sorted, each starts where
     the previous one ends."""
-    order = torch.argsort(lo)
+    order = np.argsort(lo, kind="stable")
     lo, hi = lo[order], hi[order]
     if int(lo[0]) != 0:
         raise _not_once(fqn, f"no chunk holds [0, {int(lo[0])}) of dimension {dim}")
-    bad = (lo[1:] != hi[:-1]).nonzero().flatten()
+    bad = np.flatnonzero(lo[1:] != hi[:-1])
     if len(bad):
         i = int(bad[0])
         a, b = int(hi[i]), int(lo[i + 1])
@@ -344,30 +728,30 @@ def _check_intervals(fqn: str, dim: int, length: int, lo: torch.Tensor,
         raise _not_once(fqn, f"no chunk holds [{int(hi[-1])}, {length}) of dimension {dim}")
 
 
-def _is_product_tiling(lo: torch.Tensor, hi: torch.Tensor, dims: list[int]) -> bool:
+def _is_product_tiling(lo: _Int64s, hi: _Int64s, dims: list[int]) -> bool:
     """Whether the non-empty boxes are exactly the cells of a grid: along each dimension their
     extents are the pieces of one partition (each box spans from a start to the next start),
     and the boxes fall in distinct cells, as many as there are cells (so each cell once).
     False says nothing (an irregular layout may still be exact). 1-d sorts only: fast."""
     n = lo.shape[0]
     cells = 1
-    cell = torch.zeros(n, dtype=torch.int64)
+    cell = np.zeros(n, dtype=np.int64)
     for j, length in enumerate(dims):
-        starts = torch.unique(lo[:, j])  # sorted
+        starts = np.unique(lo[:, j])  # sorted
         if int(starts[0]) != 0:
             return False
-        where = torch.searchsorted(starts, lo[:, j].contiguous())
-        ends = torch.cat([starts[1:], torch.tensor([length], dtype=torch.int64)])
+        where = np.searchsorted(starts, lo[:, j])
+        ends = np.concatenate([starts[1:], np.array([length], dtype=np.int64)])
         if not bool((hi[:, j] == ends[where]).all()):
             return False
         cells *= starts.shape[0]
         if cells > n:
             return False
         cell = cell * starts.shape[0] + where  # < cells <= n: no overflow
-    return cells == n and torch.unique(cell).shape[0] == n
+    return bool(cells == n) and int(np.unique(cell).shape[0]) == n
 
 
-def _check_corner_parity(fqn: str, lo: torch.Tensor, hi: torch.Tensor, dims: list[int]) -> None:
+def _check_corner_parity(fqn: str, lo: _Int64s, hi: _Int64s, dims: list[int]) -> None:
     """Exact cover by corner parity. A box's indicator is the signed sum of the orthants at its
     2**k corners, and orthants at distinct points are independent (mod 2 too): so the boxes
     cover every element an odd number of times (and nothing outside, as they lie inside) exactly
@@ -377,7 +761,7 @@ def _check_corner_parity(fqn: str, lo: torch.Tensor, hi: torch.Tensor, dims: lis
     if n << k > _MAX_CORNERS:
         raise _not_once(fqn, f"{n} chunks split {k} dimensions irregularly, more than this "
                         "reader checks")
-    volumes = (hi - lo).prod(dim=1)  # each <= the tensor's elements: no overflow
+    volumes = (hi - lo).prod(axis=1)  # each <= the tensor's elements: no overflow
     # Summed in two halves of 31 bits so that overlapping boxes cannot wrap the int64 sum.
     total = (int((volumes >> 31).sum()) << 31) + int((volumes & ((1 << 31) - 1)).sum())
     numel = math.prod(dims)
@@ -387,7 +771,8 @@ def _check_corner_parity(fqn: str, lo: torch.Tensor, hi: torch.Tensor, dims: lis
     # Coordinates ranked per dimension, so that a corner is one int64 key (1-d sorts are fast).
     lo_rank, hi_rank, counts = [], [], []
     for j, length in enumerate(dims):
-        coords, rank = torch.unique(torch.cat([lo[:, j], hi[:, j]]), return_inverse=True)
+        coords, rank = np.unique(np.concatenate([lo[:, j], hi[:, j]]), return_inverse=True)
+        rank = rank.reshape(-1).astype(np.int64)
         if int(coords[0]) != 0 or int(coords[-1]) != length:
             raise _not_once(fqn, f"no chunk starts at 0 or ends at {length} of a dimension")
         lo_rank.append(rank[:n])
@@ -398,11 +783,11 @@ def _check_corner_parity(fqn: str, lo: torch.Tensor, hi: torch.Tensor, dims: lis
                         "reader checks")
     keys = []
     for mask in range(1 << k):
-        key = torch.zeros(n, dtype=torch.int64)
+        key = np.zeros(n, dtype=np.int64)
         for j in range(k):
             key = key * counts[j] + (hi_rank[j] if (mask >> j) & 1 else lo_rank[j])
         keys.append(key)
-    points, times = torch.unique(torch.cat(keys), return_counts=True)
+    points, times = np.unique(np.concatenate(keys), return_counts=True)
     odd = set(points[times % 2 == 1].tolist())
     own = set()
     for mask in range(1 << k):
@@ -414,21 +799,20 @@ def _check_corner_parity(fqn: str, lo: torch.Tensor, hi: torch.Tensor, dims: lis
         raise _not_once(fqn, "some elements are in two chunks and others in none")
 
 
-def encode_metadata(md: Metadata, *, version: int = VERSION) -> bytes:
-    """``md`` (``storage_data``: MetadataIndex -> ItemLocation, or None) as metadata bytes:
-    format 2 unless ``version=1`` is asked for or the metadata does not fit format 2 (module
-    docstring), then format 1."""
+def serialize_metadata(doc: MetadataDoc, *, version: int = VERSION) -> bytes:
+    """``doc`` as metadata bytes: format 2 unless ``version=1`` is asked for or the metadata
+    does not fit format 2 (module docstring), then format 1."""
     if version not in VERSIONS:
         raise ValueError(f"metadata version must be one of {VERSIONS}, got {version!r}")
     if version == 2:
-        out = _encode_v2(md)
+        out = _encode_v2(doc)
         if out is not None:
             return out
-    return _encode_v1(md)
+    return _encode_v1(doc)
 
 
-def decode_metadata(data: bytes) -> Metadata:
-    """Rebuild DCP ``Metadata`` from :func:`encode_metadata` bytes (either format).
+def parse_metadata(data: bytes) -> MetadataDoc:
+    """Decode and validate :func:`serialize_metadata` bytes (either format).
 
     Raises:
         ManifestError: the bytes are not valid metadata (bad JSON, header, column, field, dtype
@@ -447,24 +831,17 @@ def decode_metadata(data: bytes) -> Metadata:
 # then the body of packed native-order int64 columns the header points into.
 
 _MAX_RUNS = 64  # a column of at most this many runs of equal values is stored as its runs
-_MASK64 = (1 << 64) - 1
 
 
 class _NotColumnar(Exception):
     """The metadata does not fit format 2: written as format 1."""
 
 
-def _as_tensor(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
-    if isinstance(values, torch.Tensor):
-        return values.to(torch.int64).contiguous()
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def _column_spec(values: Sequence[int] | torch.Tensor, body: bytearray, *,
+def _column_spec(values: Sequence[int] | _Int64s, body: bytearray, *,
                  arithmetic: bool = True) -> dict[str, Any]:
     """The cheapest description of an int64 column: constant, arithmetic run, runs, packed."""
-    t = _as_tensor(values)
-    n = t.numel()
+    t = np.ascontiguousarray(np.asarray(values, dtype=np.int64))
+    n = t.shape[0]
     if n == 0:
         return {"c": 0}
     first = int(t[0])
@@ -472,46 +849,50 @@ def _column_spec(values: Sequence[int] | torch.Tensor, body: bytearray, *,
         return {"c": first}
     if arithmetic:
         step = int(t[1]) - first
-        if bool((t == first + torch.arange(n, dtype=torch.int64) * step).all()):
-            return {"a": [first, step]}
-    change = (t[1:] != t[:-1]).nonzero().flatten()
-    if change.numel() < _MAX_RUNS:
+        with np.errstate(over="ignore"):
+            if bool((t == first + np.arange(n, dtype=np.int64) * step).all()):
+                return {"a": [first, step]}
+    change = np.flatnonzero(t[1:] != t[:-1])
+    if change.shape[0] < _MAX_RUNS:
         ends = [*(change + 1).tolist(), n]
         starts = [0, *ends[:-1]]
         return {"r": [[int(t[s]) for s in starts], ends]}
     body.extend(b"\0" * (-len(body) % 8))
     offset = len(body)
-    body.extend(ctypes.string_at(t.data_ptr(), 8 * n))
+    body.extend(t.tobytes())
     return {"q": offset}
 
 
-def _grid_of(size: tuple[int, ...], chunks: Sequence[ChunkStorageMetadata]) -> GridChunks | None:
-    """``chunks`` as a :class:`GridChunks` when they are exactly one, else None."""
-    if isinstance(chunks, GridChunks):
+def _grid_of(size: tuple[int, ...], chunks: Boxes) -> GridBoxes | None:
+    """``chunks`` as a :class:`GridBoxes` when they are exactly one, else None."""
+    if isinstance(chunks, GridBoxes):
         return chunks
     n, nd = len(chunks), len(size)
     if nd == 0:
-        return GridChunks(size, 0, 1, 1) if n == 1 else None
-    if n == 0 or any(chunks[0].offsets):
+        return GridBoxes(size, 0, 1, 1) if n == 1 else None
+    if n == 0 or any(chunks.box(0)[0]):
         return None
     if n == 1:
-        partial = [j for j in range(nd) if chunks[0].sizes[j] != size[j]]
+        first_sizes = chunks.box(0)[1]
+        partial = [j for j in range(nd) if first_sizes[j] != size[j]]
         if len(partial) > 1:
             return None
         dim = partial[0] if partial else 0
-        step = max(1, chunks[0].sizes[dim])
+        step = max(1, first_sizes[dim])
     else:
-        moved = [j for j in range(nd) if chunks[1].offsets[j]]
+        second = chunks.box(1)[0]
+        moved = [j for j in range(nd) if second[j]]
         if len(moved) != 1:
             return None
         dim = moved[0]
-        step = chunks[1].offsets[dim]
-    grid = GridChunks(size, dim, step, n)
+        step = second[dim]
+    grid = GridBoxes(size, dim, step, n)
     if n > -(-size[dim] // step) + 1:
         return None
-    for i, c in enumerate(chunks):
+    for i in range(n):
         offsets, sizes = grid.box(i)
-        if tuple(c.offsets) != offsets or tuple(c.sizes) != sizes:
+        o, s = chunks.box(i)
+        if tuple(o) != offsets or tuple(s) != sizes:
             return None
     return grid
 
@@ -536,22 +917,21 @@ def _signed(bits: int) -> int:
     return bits - (1 << 64) if bits >= 1 << 63 else bits
 
 
-def _encode_v2(md: Metadata) -> bytes | None:
+def _encode_v2(doc: MetadataDoc) -> bytes | None:
     try:
-        return _encode_v2_or_raise(md)
+        return _encode_v2_or_raise(doc)
     except _NotColumnar:
         return None
 
 
-def _encode_v2_or_raise(md: Metadata) -> bytes:
-    storage: Mapping[MetadataIndex, Any] | None = md.storage_data
-    columnar = storage if isinstance(storage, ColumnarLocations) else None
+def _encode_v2_or_raise(doc: MetadataDoc) -> bytes:
+    storage = doc.storage
+    columnar = storage if isinstance(storage, ColumnarStorage) else None
     # Plain dicts: group the locations by key, then by chunk offsets (one pass).
     by_key: dict[str, dict[tuple[int, ...] | None, Any]] = {}
     if storage and columnar is None:
-        for idx, loc in storage.items():
-            by_key.setdefault(idx.fqn, {})[
-                None if idx.offset is None else tuple(idx.offset)] = loc
+        for (fqn, offsets), loc in storage.items():  # type: ignore[union-attr]
+            by_key.setdefault(fqn, {})[offsets] = loc
     files: dict[str, int] = {}
     if columnar is not None:
         files = {f: i for i, f in enumerate(columnar.files)}
@@ -559,36 +939,36 @@ def _encode_v2_or_raise(md: Metadata) -> bytes:
     body = bytearray()
     tensors: list[dict[str, Any]] = []
     values: list[list[Any]] = []
-    for fqn, sm in md.state_dict_metadata.items():
-        if not isinstance(sm, TensorStorageMetadata):
-            continue
-        size = tuple(int(s) for s in sm.size)
-        entry: dict[str, Any] = {"fqn": fqn, "dtype": dtype_name(sm.properties.dtype),
-                                 "size": list(size)}
-        grid = _grid_of(size, sm.chunks)
-        chunks: GridChunks | ChunkTable
+    for fqn, te in doc.tensors.items():
+        size = te.size
+        itemsize = DTYPE_ITEMSIZE.get(te.dtype)
+        if itemsize is None:
+            raise _NotColumnar
+        entry: dict[str, Any] = {"fqn": fqn, "dtype": te.dtype, "size": list(size)}
+        grid = _grid_of(size, te.chunks)
+        chunks: GridBoxes | BoxTable
         if grid is not None:
             chunks = grid
             entry["grid"] = [grid.dim, grid.step, grid.num_chunks]
         else:
             nd = len(size)
-            flat = [x for c in sm.chunks for x in (*c.offsets, *c.sizes)]
-            if len(flat) != 2 * nd * len(sm.chunks):
+            flat = [x for o, s in te.chunks for x in (*o, *s)]
+            if len(flat) != 2 * nd * len(te.chunks):
                 raise _NotColumnar
-            chunks = ChunkTable(size, len(sm.chunks), Column.packed(flat))
-            entry["count"] = len(sm.chunks)
+            chunks = BoxTable(size, len(te.chunks), Column.packed(flat))
+            entry["count"] = len(te.chunks)
             entry["table"] = _column_spec(flat, body)
         tensors.append(entry)
         if columnar is not None:
             t = columnar.tensors.get(fqn)
-            if t is None or t.chunks != chunks:
+            if t is None or not t.chunks.same_boxes(chunks):
                 raise _NotColumnar
             if prefix is not None and t.prefix != prefix:
                 raise _NotColumnar
             prefix = t.prefix
-            entry["loc"] = {"file": _column_spec(t.file.to_tensor(), body),
-                            "pos": _column_spec(t.pos.to_tensor(), body),
-                            "sum": _column_spec(t.checksum.to_tensor(), body, arithmetic=False)}
+            entry["loc"] = {"file": _column_spec(t.file.to_array(), body),
+                            "pos": _column_spec(t.pos.to_array(), body),
+                            "sum": _column_spec(t.checksum.to_array(), body, arithmetic=False)}
             continue
         locs = by_key.pop(fqn, None)
         if locs is None:
@@ -597,7 +977,6 @@ def _encode_v2_or_raise(md: Metadata) -> bytes:
             continue
         if len(locs) != len(chunks):
             raise _NotColumnar
-        itemsize = sm.properties.dtype.itemsize
         file_col, pos_col, sum_col = [], [], []
         for i in range(len(chunks)):
             offsets, sizes = chunks.box(i)
@@ -611,13 +990,11 @@ def _encode_v2_or_raise(md: Metadata) -> bytes:
             sum_col.append(_signed(bits))
         entry["loc"] = {"file": _column_spec(file_col, body), "pos": _column_spec(pos_col, body),
                         "sum": _column_spec(sum_col, body, arithmetic=False)}
-    value_locs: Mapping[MetadataIndex, Any] = (
-        columnar.value_locations if columnar is not None else
-        {MetadataIndex(k): v[None] for k, v in by_key.items() if None in v})
-    for fqn, sm in md.state_dict_metadata.items():
-        if isinstance(sm, TensorStorageMetadata):
-            continue
-        loc = value_locs.get(MetadataIndex(fqn))
+    value_locs: Mapping[str, Any] = (
+        columnar.values if columnar is not None else
+        {k: v[None] for k, v in by_key.items() if None in v})
+    for fqn in doc.values:
+        loc = value_locs.get(fqn)
         if loc is None:
             values.append([fqn])
             continue
@@ -629,10 +1006,10 @@ def _encode_v2_or_raise(md: Metadata) -> bytes:
     if by_key:
         raise _NotColumnar  # locations of keys the metadata does not hold
     header: dict[str, Any] = {
-        "format": FORMAT, "version": 2, "dcp_version": md.version, "byteorder": sys.byteorder,
-        "files": list(files), "checksum_prefix": prefix or "", "tensors": tensors,
-        "values": values, "has_storage": storage is not None}
-    paths = _planner_paths(md.planner_data)
+        "format": FORMAT, "version": 2, "dcp_version": doc.dcp_version,
+        "byteorder": sys.byteorder, "files": list(files), "checksum_prefix": prefix or "",
+        "tensors": tensors, "values": values, "has_storage": storage is not None}
+    paths = _planner_paths(doc.planner_data)
     if paths is not None:
         header["planner_data"] = paths
     head = json.dumps(header, separators=(",", ":")).encode("utf-8")
@@ -703,7 +1080,7 @@ def _column(spec: Any, n: int, body: _Body, what: str, *, lo: int = -_INT64,
             raise ManifestError(f"column for {what} shares the metadata's bytes with another")
         col = Column(n, "q", body.data, offset)
         if n and (lo > -_INT64 or hi < _INT64):
-            t = col.to_tensor()
+            t = col.to_array()
             ends = [int(t.min()), int(t.max())]
         else:
             ends = []
@@ -714,7 +1091,7 @@ def _column(spec: Any, n: int, body: _Body, what: str, *, lo: int = -_INT64,
     return col
 
 
-def _table(spec: Any, fqn: str, size: tuple[int, ...], count: int, body: _Body) -> ChunkTable:
+def _table(spec: Any, fqn: str, size: tuple[int, ...], count: int, body: _Body) -> BoxTable:
     """The chunk table of ``count`` chunks of tensor ``fqn``, checked (:func:`_check_chunks`)."""
     nd = len(size)
     if nd == 0 and count != 1:
@@ -730,11 +1107,11 @@ def _table(spec: Any, fqn: str, size: tuple[int, ...], count: int, body: _Body) 
             raise ManifestError(f"the chunk table of {fqn!r} ({count} chunks) is not packed; "
                                 "this reader expands at most "
                                 f"{_MAX_TABLE_VALUES} values of such tables")
-    _check_chunks(fqn, size, col.to_tensor().view(count, 2, nd))
-    return ChunkTable(size, count, col)
+    _check_chunks(fqn, size, col.to_array().reshape(count, 2, nd))
+    return BoxTable(size, count, col)
 
 
-def _grid(g: Any, fqn: str, size: tuple[int, ...]) -> GridChunks:
+def _grid(g: Any, fqn: str, size: tuple[int, ...]) -> GridBoxes:
     """The chunk grid ``[dim, step, count]`` of tensor ``fqn``, checked: inside the tensor (at
     most one chunk starts at its end) and covering it whole."""
     if not isinstance(g, list) or len(g) != 3:
@@ -745,18 +1122,18 @@ def _grid(g: Any, fqn: str, size: tuple[int, ...]) -> GridChunks:
         raise ManifestError(f"chunk grid of {fqn!r} lies outside the tensor")
     if len(size) and 0 not in size and count * step < size[dim]:
         raise _not_once(fqn, f"no chunk holds [{count * step}, {size[dim]}) of dimension {dim}")
-    return GridChunks(size, dim, step, count)
+    return GridBoxes(size, dim, step, count)
 
 
 def _swap_body(body: bytearray) -> None:
     """Packed columns written on a host of the other byte order, in place."""
     if len(body) < 8:
         return
-    t = torch.frombuffer(body, dtype=torch.uint8)[:len(body) // 8 * 8].view(-1, 8)
-    t.copy_(t.flip(1))
+    t = np.frombuffer(body, dtype=np.uint8, count=len(body) // 8 * 8).reshape(-1, 8)
+    t[:] = t[:, ::-1].copy()
 
 
-def _decode_v2(data: bytes) -> Metadata:
+def _decode_v2(data: bytes) -> MetadataDoc:
     if len(data) < 16:
         raise ManifestError("metadata header is truncated")
     hlen = int.from_bytes(data[8:16], "little")
@@ -796,18 +1173,18 @@ def _decode_v2(data: bytes) -> Metadata:
             check_file_name(name)
         except (ValueError, TypeError) as e:
             raise UnsafePathError(f"data file {name!r} escapes the step directory: {e}") from e
-    sdm: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    out: dict[str, TensorEntry] = {}
     locs: dict[str, TensorLocations] = {}
     num_chunks = 0
     for t in tensors:
         if not isinstance(t, dict) or not isinstance(t.get("fqn"), str):
             raise ManifestError("bad tensor entry")
         fqn = t["fqn"]
-        if fqn in sdm:
+        if fqn in out:
             raise ManifestError(f"tensor {fqn!r} appears twice")
         size = _size(t.get("size"), fqn)
         dtype = _dtype(t.get("dtype"))
-        chunks: GridChunks | ChunkTable
+        chunks: GridBoxes | BoxTable
         if "grid" in t:
             chunks = _grid(t["grid"], fqn, size)
         else:
@@ -817,8 +1194,7 @@ def _decode_v2(data: bytes) -> Metadata:
         if num_chunks > _MAX_CHUNKS:
             raise ManifestError(f"the metadata lists over {_MAX_CHUNKS} chunks (at {fqn!r}), "
                                 "more than this reader accepts")
-        sdm[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(size),
-                                         cast(list[ChunkStorageMetadata], chunks))
+        out[fqn] = TensorEntry(dtype, size, chunks)
         loc = t.get("loc")
         if loc is None:
             continue
@@ -826,16 +1202,20 @@ def _decode_v2(data: bytes) -> Metadata:
             raise ManifestError(f"bad locations for {fqn!r}")
         n = len(chunks)
         locs[fqn] = TensorLocations(
-            chunks, dtype.itemsize,
+            chunks, DTYPE_ITEMSIZE[dtype],
             _column(loc.get("file"), n, body, f"{fqn} files", lo=0, hi=len(files)),
             _column(loc.get("pos"), n, body, f"{fqn} positions", lo=0),
             _column(loc.get("sum"), n, body, f"{fqn} checksums"), prefix)
-    value_locs: dict[MetadataIndex, ItemLocation] = {}
+    value_keys: list[str] = []
+    seen: set[str] = set()
+    value_locs: dict[str, ItemLocation] = {}
     for v in values:
-        if not isinstance(v, list) or not v or not isinstance(v[0], str) or v[0] in sdm:
+        if not isinstance(v, list) or not v or not isinstance(v[0], str) or v[0] in out or (
+                v[0] in seen):
             raise ManifestError(f"bad value entry {v!r}"[:200])
         fqn = v[0]
-        sdm[fqn] = BytesStorageMetadata()
+        value_keys.append(fqn)
+        seen.add(fqn)
         if len(v) == 1:
             continue
         if len(v) != 6:
@@ -846,11 +1226,10 @@ def _decode_v2(data: bytes) -> Metadata:
         pos, length = _int(v[2], f"{fqn} position"), _int(v[3], f"{fqn} length")
         if v[5] not in _VALUE_ENCODINGS or not isinstance(v[4], str):
             raise ManifestError(f"bad encoding or checksum for {fqn!r}")
-        value_locs[MetadataIndex(fqn)] = ItemLocation(files[fi], pos, length, v[4], v[5])
+        value_locs[fqn] = ItemLocation(files[fi], pos, length, v[4], v[5])
     dcp_version = doc.get("dcp_version")
     planner_data = (_decode_planner_paths(doc["planner_data"]) if doc.get("planner_data")
                     is not None else None)
-    storage_data = (ColumnarLocations(files, locs, value_locs) if doc.get("has_storage")
-                    else None)
-    return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage_data,
-                    version=dcp_version if isinstance(dcp_version, str) else None)
+    storage = ColumnarStorage(files, locs, value_locs) if doc.get("has_storage") else None
+    return MetadataDoc(out, value_keys, storage, planner_data,
+                       dcp_version if isinstance(dcp_version, str) else None)
