@@ -217,9 +217,11 @@ class GpuBench:
                      for k, t in self.state.items()}
         self._buf = memoryview(bytearray(B._IO_CHUNK))
         self.loop = MatmulLoop(self.clock, self.device, args.matmul_dim, self.dtype)
+        self._update_key = min(self.state, key=lambda k: self.state[k].numel())
         self._group: Any = None
         self._own_group = False
         self._stager: Any = None
+        self.dcp_stager_reused = True  # False once torch closed a reused DefaultStager
         self._dcp_warm = False
         self._mgrs: dict[str, Any] = {}
         self._steps: dict[str, int] = {}
@@ -333,13 +335,20 @@ class GpuBench:
             self._group = dist.new_group(backend="gloo")
         return self._group
 
-    def dcp_start(self, name: str, times: dict[str, float]) -> Start:
+    def dcp_start(self, name: str, times: dict[str, float],
+                  staged: dict[str, Any] | None = None) -> Start:
         """Starts one ``dcp.async_save`` with DCP's best staging in PROCESS mode; ``times`` gets
-        ``returned``, ``staged`` and ``saved`` (seconds from the call)."""
+        ``returned``, ``staged`` and ``saved`` (seconds from the call); ``staged["future"]`` the
+        staging future (None when staging was synchronous)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+        inner = getattr(self._stager, "_state_dict_stager", None)
+        if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
+            # Some torch releases (2.11 seen) close a stager passed to async_save once its save
+            # ends, so it cannot be reused: each save then gets a fresh one, as DCP's default.
+            self._stager, self.dcp_stager_reused = None, False
         if self._stager is None:
             # Pinned memory and non-blocking copies need an accelerator: without CUDA the
             # stager keeps shared memory and async staging only.
@@ -356,6 +365,8 @@ class GpuBench:
             times["returned"] = time.perf_counter() - t0
             staging = getattr(res, "staging_completion", None)
             upload = getattr(res, "upload_completion", res)
+            if staged is not None:
+                staged["future"] = staging
 
             # A future's callbacks may run after result() has returned to a waiter: the time
             # is taken by whichever of the callback and finish() sees the future done first.
@@ -449,22 +460,34 @@ class GpuBench:
     def run_ckptmgr_process(self) -> None:
         self.run_ckptmgr("process")
 
+    def update(self) -> None:
+        """An in-place write to the saved state (what an optimizer step does)."""
+        self.state[self._update_key].add_(0.0)
+
     def run_compute(self) -> None:
         min_s = self.args.compute_min_s
         for name in ("dcp_async", "ckptmgr_thread", "ckptmgr_process"):
             try:
                 if name == "dcp_async":
                     times: dict[str, float] = {}
-                    res = self.loop.run_during(self.dcp_start("dcp_compute", times), min_s)
+                    staged: dict[str, Any] = {}
+
+                    def wait_staged(staged: dict[str, Any] = staged) -> None:
+                        if staged.get("future") is not None:
+                            staged["future"].result()
+
+                    res = self.loop.run_during(self.dcp_start("dcp_compute", times, staged),
+                                               min_s, self.update, wait_staged)
                     res["staged_s"] = times.get("staged", math.nan)
                     self.settle("dcp_compute")
-                    label = "dcp.async_save (best staging, PROCESS; the loop does not wait " \
-                        "for staging)"
+                    label = "dcp.async_save (best staging, PROCESS; the state is updated only " \
+                        "after staging completes, as DCP requires)"
                 else:
                     mode = name.split("_", 1)[1]
                     mgr, step = self.manager(mode), self.next_step(mode)
                     res = self.loop.run_during(
-                        lambda m=mgr, s=step: B._start_manager_save(m, s, self.state), min_s)
+                        lambda m=mgr, s=step: B._start_manager_save(m, s, self.state), min_s,
+                        self.update)
                     self.next_step(mode)
                     label = f"ckptmgr save_async (async_mode={mode!r})"
             except Exception as e:  # the other saves are still measured
@@ -561,7 +584,7 @@ def summarize(gb: GpuBench) -> dict[str, Any]:
            "cuda": gb.cuda, "torch": torch.__version__, "python": platform.python_version(),
            "cpus": os.cpu_count(), "platform": platform.platform(), "cache_drop": gb.cache.label,
            "max_resident_fraction_after_drop": max(gb.residency, default=0.0),
-           "cuda_version": torch.version.cuda,
+           "cuda_version": torch.version.cuda, "dcp_stager_reused": gb.dcp_stager_reused,
            "gpu_max_memory_allocated_bytes": torch.cuda.max_memory_allocated() if gb.cuda else 0}
     cfg = {"size_bytes": gb.nbytes, "tensors": len(gb.state), "layers": gb.args.layers,
            "reps_asked": gb.args.reps, "reps_done": len(gb.rep_s),
