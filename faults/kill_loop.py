@@ -196,12 +196,12 @@ def _landed(life: _Life, root: Root, old_leftovers: list[str]) -> str:
 def kill_loop(kills: int, backend: str, mode: str, seed: int = 0, *, max_delay_s: float = 0.5,
               log: Any = None, zygote: Any = None) -> KillReport:
     """Run ``kills`` random kills on a fresh root of ``backend``; see the module docstring.
-    ``zygote``: a ``tests/_zygote.py`` zygote to fork trainers from (else one of its own).
+    ``zygote``: a ``tests/_procs.py`` zygote to fork trainers from (else one of its own).
 
     Raises:
         FaultFound: a promise broken, with the seed and the kill number.
     """
-    from _zygote import Zygote
+    from _procs import Zygote
 
     rng = random.Random(seed)
     report = KillReport(backend, mode, seed)

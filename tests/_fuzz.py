@@ -9,7 +9,7 @@ gives a correct result (what the bytes say; bit-exact for every region the mutat
 or raises a :class:`ckptmgr.errors.CkptmgrError`, within a memory bound and a time bound.
 
 Sandbox: each case runs in a process forked from a zygote that has torch, ckptmgr and this module
-imported already (tests/_zygote.py), so a case costs milliseconds, not an interpreter start. In
+imported already (tests/_procs.py), so a case costs milliseconds, not an interpreter start. In
 the child the address space is capped (``RLIMIT_AS``: an allocation of terabytes fails at once
 instead of thrashing the machine), the peak resident memory is measured (``VmHWM`` after
 resetting it through ``/proc/self/clear_refs``), and the parent kills the child when it runs
@@ -434,7 +434,7 @@ class Sandbox:
     """Runs cases in children of a zygote that has torch, ckptmgr and this module imported."""
 
     def __init__(self, scratch: str) -> None:
-        from _zygote import PRELOAD, Zygote
+        from _procs import PRELOAD, Zygote
 
         self.scratch = scratch
         old = os.environ.get("PYTHONPATH")

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _procs import Zygote
 
 # Importing _servers sets GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false before anything imports gcsfs.
 from _servers import FakeGcs, MotoS3, SeaweedS3, ServerUnavailable
-from _zygote import Zygote
 
 BUCKET = "ckpt-tests"
 
@@ -56,7 +56,7 @@ def fake_gcs(request: pytest.FixtureRequest) -> FakeGcs:
 @pytest.fixture(scope="session")
 def zygote() -> Iterator[Zygote]:
     """Forks real processes that run Python programs with torch and ckptmgr already imported
-    (tests/_zygote.py): examples, doc blocks and preemption runs skip seconds of start-up each."""
+    (tests/_procs.py): examples, doc blocks and preemption runs skip seconds of start-up each."""
     z = Zygote()
     yield z
     z.close()

@@ -14,8 +14,8 @@ import os
 import sys
 
 import pytest
+from _procs import Zygote
 from _servers import MotoS3
-from _zygote import Zygote
 
 # Appended: a PYTHONPATH naming another ckptmgr (the code before a fix) still wins.
 sys.path.append(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -12,7 +12,7 @@ import signal
 
 import pytest
 import torch
-from _zygote import FS_GATE, Zygote
+from _procs import FS_GATE, Zygote
 
 from ckptmgr import CheckpointManager
 

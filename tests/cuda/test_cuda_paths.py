@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import run_ranks, wait_for_file
-from _zygote import Zygote
+from _procs import Zygote, run_ranks, wait_for_file
 from torch import nn
 
 from ckptmgr import CheckpointManager

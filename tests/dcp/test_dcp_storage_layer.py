@@ -11,7 +11,7 @@ plain and back); repeated saves into one directory; DCP's ``checkpoint_id``; a r
 step. Then what ours adds: values as JSON (pickle refused unless trusted), checksums, the commit
 protocol, and the directories it shares with the manager.
 
-Single-process cases run in this process; multi-process ones on real gloo groups (tests/_mp.py).
+Single-process cases run in this process; multi-process ones on real gloo groups (tests/_procs.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _mp import run_ranks
+from _procs import run_ranks
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 

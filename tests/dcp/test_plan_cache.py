@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from _mp import run_ranks
+from _procs import run_ranks
 from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     create_default_local_save_plan,

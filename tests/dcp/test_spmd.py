@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from _metadata import metadata_doc
-from _mp import run_ranks
+from _procs import run_ranks
 
 from ckptmgr import CheckpointManager, ConfigError, SaveError, StateMismatchError
 from ckptmgr.dcp.shards import (

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from _mp import open_file_gate, run_ranks, wait_for_file
+from _procs import open_file_gate, run_ranks, wait_for_file
 
 
 def _state(seed: int) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from _mp import open_file_gate, start_ranks, wait_for_file
+from _procs import open_file_gate, start_ranks, wait_for_file
 
 # Storage calls that list or read anything but tensor data.
 _META_CALLS = ("scan_root", "list_files", "exists", "size", "is_symlink", "read_bytes")

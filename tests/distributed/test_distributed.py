@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-from _mp import run_ranks
+from _procs import run_ranks
 
 
 def _state(seed: int) -> dict[str, Any]:

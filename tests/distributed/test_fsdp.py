@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,13 +32,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _mp import context
+from _procs import rank_store, run_ranks
 
 WIDTH = 64
 PHASE_TIMEOUT_S = 150.0
 
 
-# ------------------------------------------------------------------- spawned phases helper
+# -------------------------------------------------------------------------------- phases
 
 
 def _phase(store: Any, name: str, rank: int, world: int) -> bool:
@@ -50,51 +48,6 @@ def _phase(store: Any, name: str, rank: int, world: int) -> bool:
     dist.init_process_group("gloo", store=dist.PrefixStore(f"{name}/", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=PHASE_TIMEOUT_S))
     return True
-
-
-def _child(fn: Any, rank: int, nprocs: int, port: int, args: tuple[Any, ...], q: Any) -> None:
-    os.environ["CKPTMGR_COLLECTIVE_TIMEOUT_S"] = "60"
-    try:
-        store = dist.TCPStore("127.0.0.1", port, nprocs + 1, is_master=False,
-                              timeout=timedelta(seconds=PHASE_TIMEOUT_S))
-        q.put((rank, "ok", fn(rank, store, *args)))
-    except BaseException as e:
-        q.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_phases(fn: Any, nprocs: int, *args: Any, timeout_s: float = 400.0) -> list[Any]:
-    """``fn(rank, store, *args)`` on ``nprocs`` processes sharing a parent-owned TCPStore (no
-    process group: ``fn`` makes one per phase with :func:`_phase`). Results by rank. The processes
-    are forked from the fork server of tests/_mp.py (torch, FSDP and ckptmgr already imported)."""
-    ctx = context()
-    store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, is_master=True,
-                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, r, nprocs, store.port, args, q))
-             for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    try:
-        for _ in range(nprocs):
-            rank, status, payload = q.get(timeout=timeout_s)
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank}: {payload}")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        del store
-    assert not errors, "\n".join(errors)
-    return [results[r] for r in range(nprocs)]
 
 
 # -------------------------------------------------------------------- model and training
@@ -206,7 +159,8 @@ def _restore_and_step(mgr: Any, step: int, model: torch.nn.Module, optim: torch.
     return out
 
 
-def _worker(rank: int, store: Any, root: str) -> dict[str, Any]:
+def _worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    store = rank_store()
     from torch.distributed.device_mesh import init_device_mesh
 
     import ckptmgr
@@ -311,8 +265,10 @@ def _ddp_balance(mgr: Any, root: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_fsdp_hsdp_ddp_reshard_across_world_sizes(tmp_path: Path) -> None:
-    results = run_phases(_worker, 4, str(tmp_path))
+def test_fsdp_hsdp_ddp_reshard_across_world_sizes(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTMGR_COLLECTIVE_TIMEOUT_S", "60")  # the ranks' collectives
+    results = run_ranks(_worker, 4, str(tmp_path), timeout_s=400.0, group=False)
     r0 = results[0]
     for case in ("w2", "w3", "w4", "hsdp", "w1"):
         assert r0[case]["restored_diff"] == [], (case, r0[case]["restored_diff"][:10])

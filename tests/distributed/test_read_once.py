@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from _mp import run_ranks
+from _procs import run_ranks
 
 _N, _SIZE = 16, 256 * 256  # 16 replicated float32 tensors of 256 KiB each
 

@@ -12,7 +12,7 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _holder import restored_version, state
+from _procs import restored_version, state
 
 from ckptmgr import CheckpointExistsError, CheckpointManager
 from ckptmgr.codec.layout import MANIFEST_NAME

@@ -1,7 +1,7 @@
 """The writer lease (issue 15): one job writes a root at a time; readers work beside it.
 
 Every case that involves two jobs runs the other job in a real spawned process
-(:class:`_holder.Holder`) and orders the two with blocking calls and file gates, never sleeps.
+(:class:`_procs.Holder`) and orders the two with blocking calls and file gates, never sleeps.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _holder import Holder, restored_version, state, wait_for_file
+from _procs import Holder, restored_version, state, wait_for_file
 
 from ckptmgr import CheckpointManager
 from ckptmgr.errors import CkptmgrError, ConfigError, LeaseError

@@ -1,6 +1,6 @@
 """One writer per root: a second process, or a second manager in one process, is refused.
 
-Processes are real (:class:`_holder.Holder`) and ordered by blocking calls and file gates."""
+Processes are real (:class:`_procs.Holder`) and ordered by blocking calls and file gates."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import fsspec
 import pytest
-from _holder import Holder, restored_version, state
+from _procs import Holder, restored_version, state
 
 from ckptmgr import CheckpointManager
 from ckptmgr.errors import LeaseError

@@ -17,7 +17,7 @@ import torch
 from _faulty import Gate
 from _faulty import install as install_faulty
 from _faulty import reset as reset_faulty
-from _zygote import FS_GATE, Zygote
+from _procs import FS_GATE, Zygote
 
 from ckptmgr import (
     CheckpointExistsError,

@@ -1,7 +1,7 @@
 """A reader beside an overwriting writer gets the old or the new version, never a damaged one; the
 step directory is fsynced before an overwrite's manifest.
 
-Processes are real (:class:`_holder.Holder`) and ordered by blocking calls and file gates."""
+Processes are real (:class:`_procs.Holder`) and ordered by blocking calls and file gates."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from _faulty import wrap
-from _holder import Holder, restored_version, state, wait_for_file
+from _procs import Holder, restored_version, state, wait_for_file
 
 import ckptmgr.manager
 from ckptmgr import CheckpointManager

@@ -3,7 +3,7 @@ as torch_xla's loop does) is kept."""
 
 from __future__ import annotations
 
-from _holder import restored_version, state
+from _procs import restored_version, state
 
 from ckptmgr import CheckpointManager
 

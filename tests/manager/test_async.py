@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from _faulty import FaultyFS, Gate, install, open_when_called, reset
-from _zygote import Zygote
+from _procs import Zygote
 
 from ckptmgr import AsyncSaveError, CheckpointManager, SaveError
 from ckptmgr.lease import LEASE_NAME

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from _zygote import Zygote
+from _procs import Zygote
 
 import ckptmgr
 from ckptmgr.events import CheckpointListener

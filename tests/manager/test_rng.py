@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from _mp import run_ranks
+from _procs import run_ranks
 
 import ckptmgr
 from ckptmgr import rng as rng_mod

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from _mp import run_ranks
+from _procs import run_ranks
 
 import ckptmgr
 from ckptmgr import AsyncSaveError, CheckpointManager, ConfigError

@@ -12,15 +12,14 @@ from typing import Any
 
 import pytest
 import torch
-from _mp import open_file_gate, wait_for_file
-from _zygote import Run, Zygote
+from _procs import Run, Zygote, open_file_gate, wait_for_file
 
 import ckptmgr
 from ckptmgr import CheckpointManager, ConfigError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "preemption.py"
 
-# Each run of the example is a real process forked by a zygote (tests/_zygote.py: torch and ckptmgr
+# Each run of the example is a real process forked by a zygote (tests/_procs.py: torch and ckptmgr
 # imported once). A gate can hold the first data file of the first save of a step above
 # ``step_over``: the child creates ``held``, then waits for ``release`` (or forever, to be killed
 # there), so "the signal arrives during that save" is a fact the test arranged, not a guess.

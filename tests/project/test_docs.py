@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
-from _zygote import Zygote
+from _procs import Zygote
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"

@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 
-from _zygote import Zygote
+from _procs import Zygote
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _zygote import Zygote
+from _procs import Zygote
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from _procs import Zygote
 from _servers import S3_ERROR_BODIES, Fault, FaultProxy, MotoS3
-from _zygote import Zygote
 
 from ckptmgr import CheckpointManager, SaveError, StorageError
 from ckptmgr.storage import _retry, open_storage

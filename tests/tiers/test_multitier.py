@@ -1,7 +1,7 @@
 """Multi-tier checkpoints (ckptmgr.tiers): a node-local tier per rank, a durable tier on S3.
 
-Real gloo ranks (tests/_mp.py), FSDP2-sharded model and Adam state (DTensors), each rank given its
-own local directory (``node<r>``, simulating nodes), the durable tier on the moto S3 server.
+Real gloo ranks (tests/_procs.py), FSDP2-sharded model and Adam state (DTensors), each rank given
+its own local directory (``node<r>``, simulating nodes), the durable tier on the moto S3 server.
 Bit-exactness is checked per rank on the local shards of every parameter and optimizer tensor.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from _mp import run_ranks
+from _procs import run_ranks
 
 import ckptmgr
 from ckptmgr.config import ManagerConfig, load_config

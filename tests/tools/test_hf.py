@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _mp import run_ranks
+from _procs import run_ranks
 from safetensors.torch import load_file, save_file
 
 import ckptmgr
