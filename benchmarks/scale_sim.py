@@ -222,7 +222,7 @@ def compact_metadata(n: int, layers: int) -> bytes:
     per-chunk objects), so a whole model at 16k ranks fits this machine: the chunks of every
     sharded tensor as a :class:`GridChunks`, locations as columns.
 
-    Chunks are exactly the planner's (checked at small N by tests/test_metadata_format.py);
+    Chunks are exactly the planner's (checked at small N by tests/codec/test_metadata_format.py);
     storage is modelled as the planner lays it out, except that the replicated items (the 0-d
     ``step`` tensors and the trailing empty chunks) go round-robin to ranks instead of by
     balance_replicated's greedy choice: the same number of items per file, within one.
@@ -437,8 +437,8 @@ class _CountingStorage:
 def list_calls() -> dict[str, int]:
     """List calls of the coordinator for ``all_steps`` and for a restore, counted on a real
     root (a copy of tests/fixtures/metadata_v1/root). The other ranks make none (the
-    coordinator broadcasts what it listed: tests/test_dist_bounded.py), so the counts do not
-    depend on the world size."""
+    coordinator broadcasts what it listed: tests/distributed/test_dist_bounded.py), so the counts
+    do not depend on the world size."""
     import tempfile
 
     from ckptmgr.dcp.checkpoint import read_restore_source

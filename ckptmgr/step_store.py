@@ -28,7 +28,7 @@ crashed saves, replaced attempts, failed attempts, ``prune``, the local tier) go
 checked (read from storage) right before each removal, so a writer that lost its lease removes
 nothing. A store without a fence (a reader, the CLI's read-only commands) removes nothing either;
 the standalone DCP writer, which writes a directory its caller owns and has no lease, passes
-:func:`unfenced` explicitly. ``tests/test_house.py`` fails if anything else deletes.
+:func:`unfenced` explicitly. ``tests/project/test_house.py`` fails if anything else deletes.
 
 Call order of one save (DESIGN.md section 5): (coordinator) :meth:`StepStore.begin_save` ->
 (all ranks) write data files into ``plan.write_dir`` -> (coordinator) :meth:`StepStore.commit`

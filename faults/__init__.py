@@ -1,7 +1,7 @@
 """The fault catalogue: long-running drivers that attack ckptmgr from outside (docs/testing.md).
 
-Each driver is a script with a short form that CI runs (``tests/test_faults_*.py``) and a long
-form on demand:
+Each driver is a script with a short form that CI runs (``tests/adversary/test_faults_*.py``) and
+a long form on demand:
 
 - :mod:`faults.kill_loop`: SIGKILL the trainer (and, in process mode, the writer process) at
   random moments of ``save_async``; restart it on the same root; after every kill every listed

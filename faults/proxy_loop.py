@@ -13,7 +13,8 @@ through the proxy too. The promises checked:
   reported committed is listed unless retention removed it, the foreign files are untouched.
 
 ckptmgr's retry policy is shortened and the clients' own retries are turned off (as
-``tests/test_buckets_faults.py`` does), so what is attacked is ckptmgr's handling, in seconds.
+``tests/storage/test_buckets_faults.py`` does), so what is attacked is ckptmgr's handling, in
+seconds.
 
 And :func:`outage`: the server gone for good during a save and a restore; each must fail with
 our error within the retry budget of one operation.

@@ -237,26 +237,3 @@ def test_one_door_for_deletions() -> None:
             problems.append(f"{rel}:{line} {where}() calls {name}(): remove only through "
                             "StepStore._remove, which checks the writer lease first")
     assert not problems, "\n".join(problems)
-
-
-def test_the_door_is_fenced_and_readers_remove_nothing(tmp_path: Path) -> None:
-    import pytest
-
-    from ckptmgr.errors import LeaseError
-    from ckptmgr.step_store import StepStore
-    from ckptmgr.storage import open_storage
-
-    storage = open_storage(str(tmp_path))
-    storage.makedirs("7")
-    storage.write_bytes("7/data-0123456789ab-r00000-000.bin", b"x")
-    with pytest.raises(LeaseError, match="removes nothing"):
-        StepStore(storage).remove_leftover("7")
-    calls: list[str] = []
-
-    def fence() -> None:
-        calls.append("checked")
-        raise LeaseError("lost")
-
-    with pytest.raises(LeaseError, match="lost"):
-        StepStore(storage, fence=fence).remove_leftover("7")
-    assert calls == ["checked"] and storage.exists("7/data-0123456789ab-r00000-000.bin")
