@@ -58,7 +58,6 @@ from ckptmgr.dcp.checkpoint import (
     read_step_metadata,
     write_step,
 )
-from ckptmgr.dcp.foreign import load_foreign, prepare_foreign_restore
 from ckptmgr.dcp.optim import prime_optimizer
 from ckptmgr.dcp.state import flatten_state
 from ckptmgr.errors import (
@@ -70,6 +69,7 @@ from ckptmgr.errors import (
     StorageError,
 )
 from ckptmgr.info import StepInfo
+from ckptmgr.formats.plain_dcp import load_foreign, prepare_foreign_restore
 from ckptmgr.lease import Lease
 from ckptmgr.policy import StepRecord, steps_to_delete
 from ckptmgr.step_store import CommitPlan, StepStore, deleted_while_read

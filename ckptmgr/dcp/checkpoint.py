@@ -61,10 +61,12 @@ __all__ = [
     "RestoreSource",
     "SavePlanners",
     "WriteOutcome",
+    "empty_containers",
     "first_failure",
     "load_step",
     "prepare_restore",
     "prepare_save",
+    "prime_unprimed_optimizers",
     "read_restore_source",
     "raise_load_failure",
     "read_step_metadata",
@@ -231,7 +233,7 @@ def read_step_metadata(store: StepStore, step: int, manifest: Manifest, *,
     return read_metadata_file(store, step_dir_name(step), manifest, verify=verify)
 
 
-def _prime_unprimed_optimizers(state_dict: Mapping[str, Any], metadata: Metadata) -> None:
+def prime_unprimed_optimizers(state_dict: Mapping[str, Any], metadata: Metadata) -> None:
     """Prime every top-level optimizer object without state whose checkpoint entry has state:
     an in-place load can only fill state that exists."""
     saved = metadata.state_dict_metadata
@@ -241,20 +243,22 @@ def _prime_unprimed_optimizers(state_dict: Mapping[str, Any], metadata: Metadata
             prime_optimizer(value)
 
 
-def _empty_containers(value: Any, prefix: str, out: list[str], depth: int = 0) -> None:
+def empty_containers(value: Any, prefix: str, out: list[str], depth: int = 0) -> None:
+    """Append to ``out`` the flat key of every empty mapping in ``value`` (under ``prefix``): an
+    in-place load cannot fill what an empty container (an unprimed optimizer's ``state``) lacks."""
     if not isinstance(value, Mapping) or depth > 64:
         return
     if not value and prefix:
         out.append(prefix)
     for k, v in value.items():
-        _empty_containers(v, f"{prefix}.{k}" if prefix else str(k), out, depth + 1)
+        empty_containers(v, f"{prefix}.{k}" if prefix else str(k), out, depth + 1)
 
 
 def _unfilled(state_dict: Mapping[str, Any], fs: FlatState, metadata: Metadata) -> list[str]:
     """Checkpoint entries under a container the target holds empty (an unprimed optimizer's
     ``state: {}``): an in-place load would leave them silently out."""
     empty: list[str] = []
-    _empty_containers(state_dict, "", empty)
+    empty_containers(state_dict, "", empty)
     if not empty:
         return []
     prefixes = tuple(f"{p}." for p in empty)
@@ -317,7 +321,7 @@ def prepare_restore(source: RestoreSource | StepStore, step: int, state_dict: Ma
     if isinstance(source, StepStore):
         source = read_restore_source(source, step, verify=verify)
     manifest, metadata = source.manifest, source.metadata
-    _prime_unprimed_optimizers(state_dict, metadata)
+    prime_unprimed_optimizers(state_dict, metadata)
     fs, spmd = _flatten(state_dict, planner, metadata.state_dict_metadata.keys())
     # Only values can be pickled: look them up (iterating storage_data would visit every chunk).
     stored = metadata.storage_data or {}

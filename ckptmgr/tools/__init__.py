@@ -27,9 +27,9 @@ What they must not break (DESIGN.md sections 5 and 7):
   (verify, copy) in memory.
 
 One module per command family: :mod:`~ckptmgr.tools.inspect` (list, inspect, verify),
-:mod:`~ckptmgr.tools.prune`, :mod:`~ckptmgr.tools.export` (with the file formats in
-``_formats``), :mod:`~ckptmgr.tools.copy` and :mod:`~ckptmgr.tools.dcp_import`; what they share
-is in ``_common``.
+:mod:`~ckptmgr.tools.prune`, :mod:`~ckptmgr.tools.export` (writing the formats of
+:mod:`ckptmgr.formats`) and :mod:`~ckptmgr.tools.copy`; what they share is in ``_common``.
+:func:`import_dcp` is :mod:`ckptmgr.formats.plain_dcp`'s, the one home of plain-DCP support.
 """
 
 from __future__ import annotations
@@ -37,10 +37,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ckptmgr.progress import Progress
+
 if TYPE_CHECKING:
-    from ckptmgr.tools._common import Progress
+    from ckptmgr.formats.plain_dcp import import_dcp
     from ckptmgr.tools.copy import CopyResult, copy_steps
-    from ckptmgr.tools.dcp_import import import_dcp
     from ckptmgr.tools.export import ExportResult, HfExportResult, export_hf, export_step
     from ckptmgr.tools.inspect import (
         Problem,
@@ -54,14 +55,13 @@ if TYPE_CHECKING:
     from ckptmgr.tools.listing import StepListing, format_bytes, list_steps
     from ckptmgr.tools.prune import PruneResult, prune_steps
 
-# Each name is imported from its module on first use (PEP 562): ``ckptmgr ls``, ``prune``, ``cp``
-# and ``--help`` start without torch (listing, prune, copy and _common never import it; inspect,
-# export and dcp_import do: they decode tensor metadata).
+# Each name is imported from its module on first use (PEP 562): ``ckptmgr ls``, ``prune``, ``cp``,
+# ``inspect``, ``verify`` and ``--help`` start without torch (listing, prune, copy, inspect and
+# _common never import it; export and import do: they handle tensors).
 _MODULES = {
     "listing": ("StepListing", "format_bytes", "list_steps"),
-    "_common": ("Progress",),
     "copy": ("CopyResult", "copy_steps"),
-    "dcp_import": ("import_dcp",),
+    "ckptmgr.formats.plain_dcp": ("import_dcp",),
     "export": ("ExportResult", "HfExportResult", "export_hf", "export_step"),
     "inspect": ("Problem", "StepDetails", "StepVerification", "TensorEntry", "ValueEntry",
                 "inspect_step", "verify_steps"),
@@ -74,7 +74,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ckptmgr.tools' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"ckptmgr.tools.{module}"), name)
+    path = module if module.startswith("ckptmgr.") else f"ckptmgr.tools.{module}"
+    value = getattr(importlib.import_module(path), name)
     globals()[name] = value
     return value
 

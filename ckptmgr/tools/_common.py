@@ -9,10 +9,9 @@ input.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from ckptmgr.codec.dtypes import DTYPE_ITEMSIZE
 from ckptmgr.codec.layout import join
@@ -30,52 +29,6 @@ if TYPE_CHECKING:
     from ckptmgr.codec.metadata import ItemLocation, MetadataDoc
 
 _CHUNK = 16 * 1024 * 1024  # read buffer of verify and copy
-
-
-class Progress(Protocol):
-    """Receives progress of a long operation (the CLI draws a bar on a terminal)."""
-
-    def start(self, total: int, label: str) -> None:
-        """A new phase of ``total`` bytes begins."""
-
-    def advance(self, nbytes: int) -> None:
-        """``nbytes`` more bytes were processed."""
-
-    def finish(self) -> None:
-        """The phase ended (successfully or not)."""
-
-
-class _NoProgress:
-    def start(self, total: int, label: str) -> None:
-        return None
-
-    def advance(self, nbytes: int) -> None:
-        return None
-
-    def finish(self) -> None:
-        return None
-
-
-@contextlib.contextmanager
-def _phase(progress: Progress | None, total: int, label: str) -> Any:
-    p: Progress = progress if progress is not None else _NoProgress()
-    p.start(total, label)
-    try:
-        yield p
-    finally:
-        p.finish()
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _file_sizes(storage: Storage, step_dir: str, paths: Iterable[str]) -> dict[str, int | None]:

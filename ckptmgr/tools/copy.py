@@ -21,13 +21,12 @@ from ckptmgr.errors import (
     StorageError,
 )
 from ckptmgr.lease import writer_lease
+from ckptmgr.progress import Progress, phase
 from ckptmgr.step_store import StepStore
 from ckptmgr.storage import AtomicRename, Storage, open_storage
 from ckptmgr.tools._common import (
     _CHUNK,
-    Progress,
     _file_sizes,
-    _phase,
     format_bytes,
 )
 
@@ -170,7 +169,7 @@ def copy_steps(src_url: str, dst_url: str, steps: Sequence[int] | None = None, *
     say = log or (lambda _line: None)
     total = sum(m.total_bytes for _, m, _, skip in plans if not skip)
     results: list[CopyResult] = []
-    with _phase(progress, total, "copy") as p, writer_lease(dst) as lease:
+    with phase(progress, total, "copy") as p, writer_lease(dst) as lease:
         for s, manifest, raw, skip in plans:
             if skip:
                 say(f"step {s}: already at the destination, skipped")

@@ -26,23 +26,23 @@ from ckptmgr.dcp.reader import metadata_from_doc
 from ckptmgr.dcp.shards import coverage_problem
 from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 from ckptmgr.errors import CkptmgrError, ConfigError, CorruptCheckpointError, StorageError
+from ckptmgr.formats.hf import HF_INDEX_NAME
+from ckptmgr.formats.safetensors import safetensors_header
+from ckptmgr.formats.torch_save import PtWriter, pt_data_pkl
+from ckptmgr.progress import Progress, phase
 from ckptmgr.step_store import StepStore
 from ckptmgr.storage import Storage, open_storage
 from ckptmgr.tools._common import (
-    Progress,
     _element_size,
     _file_sizes,
     _locations,
     _natural,
     _numel,
-    _phase,
 )
-from ckptmgr.tools._formats import PtWriter, pt_data_pkl, safetensors_header
 
 __all__ = ["HF_INDEX_NAME", "ExportResult", "HfExportResult", "export_hf", "export_step",
            "parse_size"]
 
-HF_INDEX_NAME = "model.safetensors.index.json"  # the name transformers looks for
 HF_DEFAULT_PREFIX = "model"  # the entry export_hf takes when no prefix is given, if present
 
 log = logging.getLogger("ckptmgr")
@@ -335,7 +335,7 @@ def export_step(url: str, step: int | None, out: str | os.PathLike[str], *,
     tmp = ""
     try:
         tmp, f = _create_temp(parent, os.path.basename(out))
-        with f, _phase(progress, total, "export") as p:
+        with f, phase(progress, total, "export") as p:
             if fmt == "safetensors":
                 f.write(header)
                 for t in planned:
@@ -590,7 +590,7 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
     # names are touched only by the renames at the end (_publish), which undo themselves.
     staged: list[tuple[str, str]] = []  # (temporary, final)
     try:
-        with _phase(progress, total, "export") as p:
+        with phase(progress, total, "export") as p:
             for name, header, shard in zip(names, headers, shards, strict=True):
                 tmp, f = _create_temp(out_dir, name)
                 staged.append((tmp, os.path.join(out_dir, name)))

@@ -26,17 +26,16 @@ from ckptmgr.errors import (
     UnsafeCheckpointError,
 )
 from ckptmgr.info import StepInfo
+from ckptmgr.progress import Progress, phase
 from ckptmgr.step_store import StepStore, deleted_while_read
 from ckptmgr.storage import Storage, is_not_found, open_storage
 from ckptmgr.tools._common import (
     _CHUNK,
-    Progress,
     _element_size,
     _file_sizes,
     _locations,
     _natural,
     _numel,
-    _phase,
 )
 from ckptmgr.tools.listing import StepListing, list_steps
 
@@ -381,7 +380,7 @@ def verify_steps(url: str, steps: Sequence[int | None] | None = None, *, all_ste
         with contextlib.suppress(CkptmgrError):
             total += StepStore(storage).read_manifest_bytes(s)[0].total_bytes
     results: list[StepVerification] = []
-    with _phase(progress, total, "verify") as p:
+    with phase(progress, total, "verify") as p:
         for s in chosen:
             try:
                 results.append(_verify_one(storage, s, p))

@@ -27,7 +27,7 @@ from ckptmgr.errors import (
     ConfigError,
     UnsafeCheckpointError,
 )
-from ckptmgr.tools._formats import PtWriter, pt_data_pkl
+from ckptmgr.formats.torch_save import PtWriter, pt_data_pkl
 
 
 @pytest.fixture(scope="module")

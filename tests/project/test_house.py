@@ -58,15 +58,16 @@ def test_error_tree() -> None:
 LAYERS = {
     "errors": 0, "_version": 0, "_redact": 0,
     "codec": 1, "policy": 1, "config": 1, "info": 1,
-    "events": 1,
+    "events": 1, "progress": 1,
     "storage": 2, "step_store": 2, "lease": 2, "_arrivals": 2, "_shm": 2,
     "dcp": 3, "optim": 3, "rng": 3,
-    "_dist": 4,
+    "_dist": 4, "formats": 4,
     "_async": 5, "preemption": 5, "tiers": 5, "initial": 5, "writer_process": 5,
     "manager": 6, "tools": 6,
     "cli": 7, "integrations": 7, "__init__": 8, "__main__": 8,
 }
-PURE = {"errors", "_redact", "_version", "codec", "policy", "config", "info", "events"}
+PURE = {"errors", "_redact", "_version", "codec", "policy", "config", "info", "events",
+        "progress"}
 
 
 def _layer_of(parts: list[str]) -> tuple[str, int]:

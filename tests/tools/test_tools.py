@@ -26,7 +26,7 @@ from ckptmgr import (
     UnsafeCheckpointError,
     tools,
 )
-from ckptmgr.tools import dcp_import
+from ckptmgr.formats import plain_dcp
 from ckptmgr.tools import export as tools_export
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -386,7 +386,7 @@ def test_import_dcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         tools.import_dcp(src, root, 7)
     assert not os.path.exists(root)  # refused before any I/O
 
-    monkeypatch.setattr(dcp_import, "_IMPORT_BATCH", 100)  # several DCP reads, one tensor each
+    monkeypatch.setattr(plain_dcp, "_IMPORT_BATCH", 100)  # several DCP reads, one tensor each
     rec = Recorder()
     info = tools.import_dcp(src, root, 7, trusted=True, metrics={"loss": 0.5}, progress=rec)
     assert info.step == 7 and info.world_size == 1 and info.metrics == {"loss": 0.5}
