@@ -1,0 +1,73 @@
+"""The interleaved A/B harness (benchmarks/ab.py): variants, settings, pairing and the summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptmgr.storage import local
+
+AB = Path(__file__).resolve().parents[2] / "benchmarks" / "ab.py"
+
+
+def _ab() -> Any:
+    spec = importlib.util.spec_from_file_location("ckptmgr_bench_ab", AB)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_parse_variant_and_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    ab = _ab()
+    v = ab.parse_variant("ckptmgr.restore AB_TEST_X=1 ckptmgr.storage.local.DIRECT_IO=False",
+                         "ckptmgr.save")
+    assert (v.op, v.env, v.attrs) == ("ckptmgr.restore", {"AB_TEST_X": "1"},
+                                      {"ckptmgr.storage.local.DIRECT_IO": False})
+    assert ab.parse_variant("AB_TEST_X=0", "dcp.save").op == "dcp.save"  # the default op
+    c = ab.parse_variant("AB_TEST_X=2 cmd:echo hi", "ckptmgr.save")
+    assert (c.op, c.command, c.env) == ("cmd", "echo hi", {"AB_TEST_X": "2"})
+    with pytest.raises(SystemExit, match="not one of"):
+        ab.parse_variant("ckptmgr.save dcp.save", "ckptmgr.save")
+    monkeypatch.delenv("AB_TEST_X", raising=False)
+    before = local.DIRECT_IO
+    with ab.applied(v):
+        assert os.environ["AB_TEST_X"] == "1" and local.DIRECT_IO is False
+    assert "AB_TEST_X" not in os.environ and local.DIRECT_IO is before
+    assert ab.quantile([1.0, 2.0, 3.0, 4.0], 0.25) == 1.75
+
+
+def test_interleaved_pairs_end_to_end(tmp_path: Path) -> None:
+    """Pairs alternate their order; each side's samples, medians, minimums and the per-pair
+    ratios are reported; the settings reach the trial; scratch files are removed."""
+    ab = _ab()
+    out = tmp_path / "out" / "ab.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    doc = ab.main(["--a", "ckptmgr.save",
+                   "--b", "ckptmgr.save ckptmgr.storage.local.DIRECT_IO=False",
+                   "--size", "1MiB", "--count", "8", "--pairs", "3", "--warmup", "1",
+                   "--dir", str(scratch), "--out", str(out)])
+    assert doc["first_of_pair"] == ["b", "a", "b"]  # the warm-up pair ran A first
+    r = doc["ratio_b_over_a"]
+    assert r["pairs"] == 3 and len(doc["a"]["samples_s"]) == len(doc["b"]["samples_s"]) == 3
+    assert r["q1"] <= r["median"] <= r["q3"] and r["min"] <= r["q1"]
+    assert doc["a"]["min_s"] <= doc["a"]["median_s"]
+    assert doc["b"]["attrs"] == {"ckptmgr.storage.local.DIRECT_IO": "False"}
+    assert json.loads(out.read_text())["ratio_b_over_a"]["median"] == r["median"]
+    assert list(scratch.iterdir()) == []
+
+    # Reads (cold, files written once) against a shell command that sees its settings.
+    doc = ab.main(["--a", "ckptmgr.restore", "--b",
+                   'AB_TEST_Y=7 cmd:test "$AB_TEST_Y" = 7 && test -d "$AB_DIR"',
+                   "--size", "1MiB", "--count", "8", "--pairs", "2", "--warmup", "0",
+                   "--dir", str(scratch)])
+    assert doc["b"]["op"] == "cmd" and len(doc["b"]["samples_s"]) == 2
+    assert "AB_TEST_Y" not in os.environ
