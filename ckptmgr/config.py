@@ -19,6 +19,13 @@ constructor argument (``max_to_keep``) for :meth:`ManagerConfig.from_kwargs`, th
 (``retention.max_to_keep``) otherwise. Values of ``storage.options`` can hold secrets, so they never
 appear in messages or in ``repr()``; only their keys do.
 
+Each setting is declared once, as a field of its model annotated with a :class:`Setting`: its type,
+default and description (pydantic), the rule its messages state, and the constructor argument that
+sets it with that argument's position. The constructor's flat arguments (``from_kwargs``,
+``to_kwargs``), the messages' rules and the flat names in messages are all derived from these
+fields. ``CheckpointManager.__init__`` keeps its explicit signature (the public API);
+``tests/config/test_settings.py`` checks that it agrees with the fields (names, order, defaults).
+
 Pure layer: stdlib, pydantic, PyYAML and :mod:`ckptmgr.errors` only (no torch, no fsspec).
 """
 
@@ -31,6 +38,7 @@ import signal
 from collections.abc import Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import yaml
@@ -56,6 +64,7 @@ __all__ = [
     "ManagerConfig",
     "PreemptionConfig",
     "RetentionConfig",
+    "Setting",
     "StorageConfig",
     "check_flag",
     "load_config",
@@ -70,76 +79,23 @@ PATH_ENV_VAR = "CKPTMGR_PATH"
 _UNCATCHABLE = frozenset({signal.SIGKILL, signal.SIGSTOP})
 _NO_VALUE: Any = object()
 
-# The rule of each field as the caller's message states it ("<name> must be <rule>, got <value>"),
-# keyed by the dotted YAML path.
-_RULES: dict[str, str] = {
-    "path": "a non-empty str",
-    "save_interval": "an int >= 1",
-    "overwrite": "a bool",
-    "verify": "a bool",
-    "planner": "'auto', 'dcp' or 'xla_spmd'",
-    "read_only": "a bool",
-    "take_over": "a bool",
-    "save_on_close": "a bool",
-    "collective_timeout_s": "None or a finite number of seconds > 0",
-    "storage": "a mapping",
-    "storage.options": "None or a dict with str keys",
-    "retention": "a mapping",
-    "retention.max_to_keep": "None or an int >= 0",
-    "retention.keep_period": "None or an int >= 1",
-    "retention.keep_time_interval": "None or a finite number of seconds > 0",
-    "retention.best_metric": "None or a non-empty str",
-    "retention.best_mode": "'min' or 'max'",
-    "retention.keep_best": "None or an int >= 1",
-    "async": "a mapping",
-    "async.max_pending_async": "an int >= 1 (one save is in flight; larger values act as 1)",
-    "async.backpressure": "'block' or 'skip'",
-    "async.num_of_threads": "None or an int >= 1",
-    "async.mode": "'thread' or 'process'",
-    "preemption": "a mapping",
-    "preemption.enabled": "a bool",
-    "preemption.signals": "a signal name ('SIGTERM' or 'TERM'), a signal number, or a list of them",
-    "preemption.grace_s": "a finite number of seconds > 0",
-    "preemption.exit_on_preemption": "a bool",
-    "preemption.file": "a path string (a file whose appearance means preemption)",
-    "local": "a mapping",
-    "local.path": "None or a local directory path (no URL scheme but file://)",
-    "local.interval": "None or an int >= 1",
-    "local.max_to_keep": "an int >= 1",
-}
+@dataclass(frozen=True)
+class Setting:
+    """What a config field is to its callers, declared in the field's annotation
+    (``Annotated[<type>, Setting(...)]``) beside its type, default and description.
 
-# Constructor argument -> where it lives in the model (section alias, field), in constructor order.
-_FLAT: dict[str, tuple[str, ...]] = {
-    "path": ("path",),
-    "save_interval": ("save_interval",),
-    "max_to_keep": ("retention", "max_to_keep"),
-    "max_pending_async": ("async", "max_pending_async"),
-    "num_of_threads": ("async", "num_of_threads"),
-    "chkpt_on_preemption": ("preemption", "enabled"),
-    "storage_options": ("storage", "options"),
-    "keep_period": ("retention", "keep_period"),
-    "keep_time_interval": ("retention", "keep_time_interval"),
-    "best_metric": ("retention", "best_metric"),
-    "best_mode": ("retention", "best_mode"),
-    "keep_best": ("retention", "keep_best"),
-    "overwrite": ("overwrite",),
-    "backpressure": ("async", "backpressure"),
-    "verify": ("verify",),
-    "preemption_signals": ("preemption", "signals"),
-    "preemption_grace_s": ("preemption", "grace_s"),
-    "exit_on_preemption": ("preemption", "exit_on_preemption"),
-    "preemption_file": ("preemption", "file"),
-    "planner": ("planner",),
-    "read_only": ("read_only",),
-    "take_over": ("take_over",),
-    "collective_timeout_s": ("collective_timeout_s",),
-    "local_path": ("local", "path"),
-    "local_interval": ("local", "interval"),
-    "local_max_to_keep": ("local", "max_to_keep"),
-    "async_mode": ("async", "mode"),
-    "save_on_close": ("save_on_close",),
-}
-_DOTTED_TO_FLAT = {".".join(where): name for name, where in _FLAT.items()}
+    Attributes:
+        rule: what a valid value is, as messages state it: "<name> must be <rule>, got <value>".
+        position: the position of the field's CheckpointManager argument among the constructor's
+            settings (``process_group`` and ``preemption_check`` are not settings): the order of
+            :meth:`ManagerConfig.to_kwargs`.
+        arg: the CheckpointManager argument that sets the field, when it is not the field's own
+            name (``max_to_keep`` of the local tier is ``local_max_to_keep``).
+    """
+
+    rule: str
+    position: int
+    arg: str | None = None
 
 
 class _Rule(ValueError):
@@ -208,7 +164,8 @@ class StorageConfig(_Section):
     Values are never shown in errors or ``repr()``: they may be secrets.
     """
 
-    options: dict[Annotated[str, Strict()], Any] = Field(
+    options: Annotated[dict[Annotated[str, Strict()], Any],
+                       Setting("None or a dict with str keys", 6, "storage_options")] = Field(
         default_factory=dict, description="keyword arguments for the fsspec filesystem")
 
     @field_validator("options", mode="before")
@@ -224,17 +181,18 @@ class RetentionConfig(_Section):
     """Which committed steps to keep: the union of latest-k, every N steps, one per time interval
     and best-k by a metric."""
 
-    max_to_keep: _Int0 | None = Field(
+    max_to_keep: Annotated[_Int0 | None, Setting("None or an int >= 0", 2)] = Field(
         default=None, description="keep this many newest steps; None or 0 keeps every step")
-    keep_period: _Int1 | None = Field(
+    keep_period: Annotated[_Int1 | None, Setting("None or an int >= 1", 7)] = Field(
         default=None, description="also keep every step divisible by this")
-    keep_time_interval: _Seconds | None = Field(
+    keep_time_interval: Annotated[
+        _Seconds | None, Setting("None or a finite number of seconds > 0", 8)] = Field(
         default=None, description="also keep one step per this many seconds")
-    best_metric: _Name | None = Field(
+    best_metric: Annotated[_Name | None, Setting("None or a non-empty str", 9)] = Field(
         default=None, description="also keep the best keep_best steps by this metric")
-    best_mode: Literal["min", "max"] = Field(
+    best_mode: Annotated[Literal["min", "max"], Setting("'min' or 'max'", 10)] = Field(
         default="min", description="whether the best metric value is the lowest or the highest")
-    keep_best: _Int1 | None = Field(
+    keep_best: Annotated[_Int1 | None, Setting("None or an int >= 1", 11)] = Field(
         default=None, description="how many best steps to keep (needs best_metric)")
 
     @model_validator(mode="after")
@@ -248,14 +206,16 @@ class RetentionConfig(_Section):
 class AsyncConfig(_Section):
     """The background save queue: one save in flight, and what a save does while one is."""
 
-    max_pending_async: Annotated[int, Strict()] = Field(
+    max_pending_async: Annotated[int, Strict(), Setting(
+        "an int >= 1 (one save is in flight; larger values act as 1)", 3)] = Field(
         default=1, description="saves in flight: ckptmgr keeps one; values > 1 are accepted "
         "(torch_xla code keeps running) with a warning and act as 1")
-    backpressure: Literal["block", "skip"] = Field(
+    backpressure: Annotated[Literal["block", "skip"], Setting("'block' or 'skip'", 13)] = Field(
         default="block", description="wait for the in-flight save, or skip the new one")
-    num_of_threads: _Int1 | None = Field(
+    num_of_threads: Annotated[_Int1 | None, Setting("None or an int >= 1", 4)] = Field(
         default=None, description="writer threads per rank; None lets ckptmgr choose")
-    mode: Literal["thread", "process"] = Field(
+    mode: Annotated[Literal["thread", "process"],
+                    Setting("'thread' or 'process'", 26, "async_mode")] = Field(
         default="thread", description="where background saves run: a thread of the training "
         "process, or one persistent writer process per rank (Linux; docs/performance.md)")
 
@@ -269,6 +229,9 @@ class AsyncConfig(_Section):
             log.warning("max_pending_async=%d: ckptmgr keeps one save in flight; a new save "
                         "waits for it (backpressure) instead of queueing", value)
         return value
+
+
+_SIGNALS_RULE = "a signal name ('SIGTERM' or 'TERM'), a signal number, or a list of them"
 
 
 def _to_signal(item: Any) -> signal.Signals:
@@ -286,7 +249,7 @@ def _to_signal(item: Any) -> signal.Signals:
             raise _Rule("{name} must name known signals (e.g. 'SIGTERM', 'TERM' or 15)", got=item)
         sig = signal.Signals[name]
     else:
-        raise _Rule("{name} must be " + _RULES["preemption.signals"], got=item)
+        raise _Rule("{name} must be " + _SIGNALS_RULE, got=item)
     if sig in _UNCATCHABLE:
         raise _Rule("{name} cannot include SIGKILL or SIGSTOP (they cannot be caught)", got=item)
     return sig
@@ -305,15 +268,18 @@ def _to_signals(value: Any) -> tuple[signal.Signals, ...]:
 class PreemptionConfig(_Section):
     """The last checkpoint taken when a preemption signal arrives."""
 
-    enabled: Annotated[bool, Strict()] = Field(
+    enabled: Annotated[bool, Strict(), Setting("a bool", 5, "chkpt_on_preemption")] = Field(
         default=True, description="take a last checkpoint when a preemption signal arrives")
-    signals: Annotated[tuple[signal.Signals, ...], BeforeValidator(_to_signals)] = Field(
+    signals: Annotated[tuple[signal.Signals, ...], BeforeValidator(_to_signals),
+                       Setting(_SIGNALS_RULE, 15, "preemption_signals")] = Field(
         default=(signal.SIGTERM,), description="the signals that mean preemption")
-    grace_s: _Seconds = Field(
+    grace_s: Annotated[_Seconds, Setting("a finite number of seconds > 0", 16,
+                                         "preemption_grace_s")] = Field(
         default=30.0, description="seconds the scheduler allows between the signal and the kill")
-    exit_on_preemption: Annotated[bool, Strict()] = Field(
+    exit_on_preemption: Annotated[bool, Strict(), Setting("a bool", 17)] = Field(
         default=True, description="exit (128 + signal) after the last checkpoint commits")
-    file: Annotated[str, Strict(), Field(min_length=1)] | None = Field(
+    file: Annotated[Annotated[str, Strict(), Field(min_length=1)] | None, Setting(
+        "a path string (a file whose appearance means preemption)", 18, "preemption_file")] = Field(
         default=None, description="a file whose appearance also means preemption")
 
     @model_validator(mode="after")
@@ -344,12 +310,13 @@ class LocalTierConfig(_Section):
     """The fast tier: every rank writes its own files to a node-local directory
     (docs/multitier.md)."""
 
-    path: Annotated[str, Strict(), BeforeValidator(_local_dir)] | None = Field(
+    path: Annotated[Annotated[str, Strict(), BeforeValidator(_local_dir)] | None, Setting(
+        "None or a local directory path (no URL scheme but file://)", 23, "local_path")] = Field(
         default=None, description="node-local directory (NVMe, /dev/shm); each rank writes "
         "<path>/rank-<r>; None: no local tier")
-    interval: _Int1 | None = Field(
+    interval: Annotated[_Int1 | None, Setting("None or an int >= 1", 24, "local_interval")] = Field(
         default=None, description="a step is due on the local tier when step % interval == 0")
-    max_to_keep: _Int1 = Field(
+    max_to_keep: Annotated[_Int1, Setting("an int >= 1", 25, "local_max_to_keep")] = Field(
         default=2, description="newest local steps kept on every rank")
 
     @model_validator(mode="after")
@@ -371,24 +338,28 @@ class ManagerConfig(_Section):
     (a YAML file or a mapping); the constructor takes it back with :meth:`to_kwargs`.
     """
 
-    path: _Name = Field(description="root directory or fsspec URL of the checkpoints")
-    save_interval: _Int1 = Field(description="a step is due when step % save_interval == 0")
-    overwrite: Annotated[bool, Strict()] = Field(
+    path: Annotated[_Name, Setting("a non-empty str", 0)] = Field(
+        description="root directory or fsspec URL of the checkpoints")
+    save_interval: Annotated[_Int1, Setting("an int >= 1", 1)] = Field(
+        description="a step is due when step % save_interval == 0")
+    overwrite: Annotated[bool, Strict(), Setting("a bool", 12)] = Field(
         default=False, description="allow re-saving a committed step")
-    verify: Annotated[bool, Strict()] = Field(
+    verify: Annotated[bool, Strict(), Setting("a bool", 14)] = Field(
         default=True, description="check sizes and checksums on restore")
-    planner: Literal["auto", "dcp", "xla_spmd"] = Field(
+    planner: Annotated[Literal["auto", "dcp", "xla_spmd"],
+                       Setting("'auto', 'dcp' or 'xla_spmd'", 19)] = Field(
         default="auto", description="how states are planned: 'auto' picks 'xla_spmd' when the "
         "state holds XLA (or other sharded) tensors, else 'dcp'")
-    read_only: Annotated[bool, Strict()] = Field(
+    read_only: Annotated[bool, Strict(), Setting("a bool", 20)] = Field(
         default=False, description="open the root as a reader: no writer lease, saves refused")
-    take_over: Annotated[bool, Strict()] = Field(
+    take_over: Annotated[bool, Strict(), Setting("a bool", 21)] = Field(
         default=False, description="take the root's writer lease even from a live holder")
-    save_on_close: Annotated[bool, Strict()] = Field(
+    save_on_close: Annotated[bool, Strict(), Setting("a bool", 27)] = Field(
         default=True, description="a normal close() saves the newest step given to save or "
         "save_async when it is newer than the newest committed step (never after an exception, "
         "never a state changed since that call)")
-    collective_timeout_s: _Seconds | None = Field(
+    collective_timeout_s: Annotated[
+        _Seconds | None, Setting("None or a finite number of seconds > 0", 22)] = Field(
         default=None, description="no collective of ckptmgr waits longer; None: the "
         "CKPTMGR_COLLECTIVE_TIMEOUT_S environment variable if set, else 600 s")
     storage: StorageConfig = Field(default_factory=StorageConfig)
@@ -472,6 +443,48 @@ def _keys(model: type[BaseModel]) -> list[str]:
 # Section model -> its key in ManagerConfig, so a section built on its own names "retention.x".
 _SECTION_OF: dict[type[BaseModel], str] = {
     sub: key for key in _keys(ManagerConfig) if (sub := _submodel(ManagerConfig, key)) is not None}
+
+
+def _settings(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> Iterator[
+        tuple[tuple[str, ...], Setting | None]]:
+    """(the field's keys from ManagerConfig, its Setting) for every field under ``model``; a
+    section's Setting is None."""
+    for name, info in model.model_fields.items():
+        where = (*prefix, info.alias or name)
+        sub = _submodel(model, where[-1])
+        if sub is not None:
+            yield where, None
+            yield from _settings(sub, where)
+            continue
+        found = [m for m in info.metadata if isinstance(m, Setting)]
+        if len(found) != 1:
+            raise TypeError(f"config field {'.'.join(where)} needs exactly one Setting in its "
+                            f"annotation, has {len(found)}")
+        yield where, found[0]
+
+
+def _derive() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """The rules by dotted YAML path, and constructor argument -> keys, in constructor order."""
+    rules: dict[str, str] = {}
+    args: list[tuple[int, str, tuple[str, ...]]] = []
+    for where, setting in _settings(ManagerConfig):
+        if setting is None:
+            rules[".".join(where)] = "a mapping"
+            continue
+        rules[".".join(where)] = setting.rule
+        args.append((setting.position, setting.arg or where[-1], where))
+    args.sort()
+    if [a[0] for a in args] != list(range(len(args))) or len({a[1] for a in args}) != len(args):
+        raise TypeError("config Settings need distinct arguments at positions 0.."
+                        f"{len(args) - 1}, got {[(a[0], a[1]) for a in args]}")
+    return rules, {arg: where for _, arg, where in args}
+
+
+# The rule of each field as the caller's message states it, keyed by the dotted YAML path; and
+# each constructor argument -> where it lives in the model (section alias, field), in constructor
+# order. Both derived from the fields' Settings.
+_RULES, _FLAT = _derive()
+_DOTTED_TO_FLAT = {".".join(where): name for name, where in _FLAT.items()}
 
 
 # ---------------------------------------------------------------------------------------------

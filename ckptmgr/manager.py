@@ -194,20 +194,13 @@ class CheckpointManager:
         async_mode: str = "thread",
         save_on_close: bool = True,
     ) -> None:
+        # Every argument but process_group and preemption_check is a setting declared once in
+        # ckptmgr/config.py; tests/config/test_settings.py checks this signature against it.
+        settings = dict(locals())
+        for name in ("self", "process_group", "preemption_check"):
+            del settings[name]
         self._closed = True  # until fully constructed, close() has nothing to release
-        cfg = ManagerConfig.from_kwargs(
-            path=path, save_interval=save_interval, max_to_keep=max_to_keep,
-            max_pending_async=max_pending_async, num_of_threads=num_of_threads,
-            chkpt_on_preemption=chkpt_on_preemption, storage_options=storage_options,
-            keep_period=keep_period, keep_time_interval=keep_time_interval,
-            best_metric=best_metric, best_mode=best_mode, keep_best=keep_best,
-            overwrite=overwrite, backpressure=backpressure, verify=verify,
-            preemption_signals=preemption_signals, preemption_grace_s=preemption_grace_s,
-            exit_on_preemption=exit_on_preemption, preemption_file=preemption_file,
-            planner=planner, read_only=read_only, take_over=take_over,
-            collective_timeout_s=collective_timeout_s, local_path=local_path,
-            local_interval=local_interval, local_max_to_keep=local_max_to_keep,
-            async_mode=async_mode, save_on_close=save_on_close)
+        cfg = ManagerConfig.from_kwargs(**settings)
         self.config = cfg
         self._store = StepStore(open_storage(cfg.path, cfg.storage.options,
                                              writable=not cfg.read_only))
