@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Any
 from ckptmgr.codec.checksum import checksum
 from ckptmgr.codec.layout import (
     MANIFEST_NAME,
-    MAX_STEP,
     check_step,
     join,
     new_attempt_id,
@@ -82,11 +81,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DCP_METADATA_NAME",
-    "MAX_STEP",
     "CommitPlan",
     "RootScan",
     "StepStore",
-    "check_step",
     "deleted_while_read",
     "is_attempt_file_name",
     "is_our_file_name",
