@@ -452,7 +452,24 @@ class GpuBench:
             self.record("ckptmgr.restore", "read", "ckptmgr restore (in place into the "
                         "state's tensors, checksums verified)",
                         self.timed(lambda: mgr.restore(step, self.state)))
+            self.restore_variants(mgr, step)
         self.next_step(mode)
+
+    def restore_variants(self, mgr: Any, step: int) -> None:
+        """(``--restore-threads``) The same restore with other numbers of read streams: the
+        reader's default is set for the call (an experiment's knob, not a user setting)."""
+        from ckptmgr.dcp import reader
+
+        default = reader.DEFAULT_NUM_THREADS
+        try:
+            for n in self.args.restore_threads:
+                reader.DEFAULT_NUM_THREADS = n
+                self.cold("ckptmgr_thread")
+                self.record(f"ckptmgr.restore.streams{n}", "read",
+                            f"ckptmgr restore, {n} read streams",
+                            self.timed(lambda: mgr.restore(step, self.state)))
+        finally:
+            reader.DEFAULT_NUM_THREADS = default
 
     def run_ckptmgr_thread(self) -> None:
         self.run_ckptmgr("thread")
@@ -662,10 +679,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="matmul size (default 8192 bf16 on the GPU; 256 fp32 dry run)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)} (default: all)")
+    p.add_argument("--restore-threads", default="",
+                   help="also time restore with these numbers of read streams, e.g. 2,4")
     p.add_argument("--dry-run", action="store_true",
                    help="a tiny state on the CPU (no CUDA needed): proves the script runs")
     args = p.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    args.restore_threads = [int(n) for n in args.restore_threads.split(",") if n.strip()]
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         p.error(f"unknown methods {unknown}; choose from {METHODS}")
