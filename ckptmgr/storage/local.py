@@ -1,17 +1,27 @@
 """Local-disk storage on POSIX calls: fsync of files and directories, atomic renames.
 
 Large files go to disk at device speed and with little CPU, and never fill the page cache (a
-training job's data-set cache matters more than a checkpoint's):
-- where the file system takes ``O_DIRECT`` (Linux ext4, xfs, ...), writes use direct I/O: no page
-  cache, so the kernel spends no CPU on copying, dirty accounting, writeback and reclaim. Large
-  items are written from the caller's own memory (``write_unbuffered``: the file is padded so
-  their offset has their address's alignment); everything else is copied into three
-  page-aligned bounce buffers (8-64 MiB: 1/32 of the file). Four I/O threads keep several
-  writes in flight in a preallocated file;
-- elsewhere, buffered writes with early writeback: the kernel is asked to start writing each chunk
-  as soon as it is written (``sync_file_range``), at most a bounded window is dirty, and pages
-  already on disk are dropped (``posix_fadvise(DONTNEED)``), so the disk is busy from the first
-  chunk instead of only at the final fsync.
+training job's data-set cache matters more than a checkpoint's). Two byte paths:
+- direct I/O, where the file system takes ``O_DIRECT`` (Linux ext4, xfs, ...): no page cache, so
+  the kernel spends no CPU on copying, dirty accounting, writeback and reclaim. Large items are
+  written from the caller's own memory (``write_unbuffered``: the file is padded so their offset
+  has their address's alignment); everything else is copied into three page-aligned bounce
+  buffers (8-64 MiB: 1/32 of the file). Four I/O threads keep several writes in flight in a
+  preallocated file;
+- buffered writes with early writeback: the kernel is asked to start writing each chunk as soon
+  as it is written (``sync_file_range``), at most a bounded window is dirty, and pages already on
+  disk are dropped (``posix_fadvise(DONTNEED)``), so the disk is busy from the first chunk
+  instead of only at the final fsync. The only path where ``O_DIRECT`` is refused (tmpfs, macOS).
+
+Which of the two is faster depends on the disk, and on a virtual disk on the hour (the same
+disk's direct and streaming floors swapped places between runs: docs/performance.md), so it is
+chosen by measurement, per file system and process (:class:`_PathChooser`): every file of at
+least ``_MEASURE_MIN`` bytes is timed from open to fsync; the first four such files alternate
+direct, buffered, direct, buffered, later ones take the path whose recent files wrote faster (by
+the median of the last ``_RECENT``; direct on a tie within 5%, for its lower CPU and untouched
+page cache), and every ``_EXPLORE_EVERY``-th one takes the other path, so a disk that changed is
+noticed. Nothing is written to measure (no probe file): the checkpoints' own files are the
+measurement. Smaller files take the path chosen so far.
 Readers use ``preadv`` to scatter one contiguous file range into several destination buffers.
 """
 
@@ -21,6 +31,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import queue
@@ -28,6 +39,7 @@ import shutil
 import stat
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -47,8 +59,15 @@ _WB_WINDOW = 128 * 1024 * 1024
 _SFR_WAIT_BEFORE, _SFR_WRITE, _SFR_WAIT_AFTER = 1, 2, 4
 _IOV_MAX = 512  # below every platform's IOV_MAX (1024 on Linux)
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-DIRECT_IO = True
-"""Write large files with ``O_DIRECT`` where the file system supports it (tests switch it off)."""
+DIRECT_IO: bool | None = None
+"""The byte path of local files: None (default) chooses by measurement (module docstring); True
+writes with ``O_DIRECT`` wherever the file system takes it; False never does (tests, A/B runs)."""
+# Files this large are timed and take part in the choice; smaller ones are dominated by fixed costs
+# (open, fsync, the host's write cache) and say little about streaming speed.
+_MEASURE_MIN = 64 * 1024 * 1024
+_RECENT = 5  # files per path whose speeds are compared (the median: one slow outlier is ignored)
+_EXPLORE_EVERY = 16  # every 16th large file takes the path not chosen, to notice a changed disk
+_PREFER_DIRECT = 1.05  # buffered must write this much faster to be chosen
 _DIRECT_ALIGN = 4096  # offsets, lengths and addresses: a multiple of every common block size
 # 64 MiB writes: on this machine's throttled virtio disk the floor took 3.3 s/GiB with 8 MiB writes
 # and 1.9 s/GiB with 64 MiB; our save went from 1.96x to 1.15x the floor (2 GiB, performance.md).
@@ -110,6 +129,66 @@ def _drop_cache(fd: int, offset: int, length: int) -> None:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
+class _PathChooser:
+    """Direct or buffered writes for the large files of one file system, by the speed its own
+    recent files reached (module docstring). Thread-safe: streams and ranks' threads share it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._speeds: dict[bool, list[float]] = {True: [], False: []}  # direct? -> bytes/s
+        self._large = 0  # large files handed a path so far
+
+    def _best(self) -> bool:
+        d, b = self._speeds[True], self._speeds[False]
+        if len(d) < 2 or len(b) < 2:
+            return True
+        return not _median(b) > _PREFER_DIRECT * _median(d)
+
+    def choose(self, size_hint: int | None) -> tuple[bool, bool]:
+        """(direct?, time this file?) for a new file of about ``size_hint`` bytes."""
+        with self._lock:
+            if size_hint is None or size_hint < _MEASURE_MIN:
+                return self._best(), False
+            self._large += 1
+            d, b = self._speeds[True], self._speeds[False]
+            if len(d) < 2 or len(b) < 2:
+                return len(d) <= len(b), True  # direct, buffered, direct, buffered
+            best = self._best()
+            return (not best if self._large % _EXPLORE_EVERY == 0 else best), True
+
+    def record(self, direct: bool, nbytes: int, seconds: float) -> None:
+        """A timed file of ``nbytes`` took ``seconds`` from open to fsync on that path."""
+        if seconds <= 0 or nbytes < _MEASURE_MIN:
+            return
+        with self._lock:
+            recent = self._speeds[direct]
+            recent.append(nbytes / seconds)
+            del recent[:-_RECENT]
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+_CHOOSERS: dict[int, _PathChooser] = {}  # st_dev -> its chooser
+_CHOOSERS_LOCK = threading.Lock()
+
+
+def _chooser_for(directory: str) -> _PathChooser | None:
+    """The chooser of the file system holding ``directory``; None when it cannot be stat'ed."""
+    try:
+        dev = os.stat(directory).st_dev
+    except OSError:
+        return None
+    with _CHOOSERS_LOCK:
+        return _CHOOSERS.setdefault(dev, _PathChooser())
+
+
+_Timer = Callable[[int, float], None]  # (bytes, seconds) of a committed file
+
+
 def _next_batch(views: list[memoryview], i: int) -> list[memoryview]:
     """Views ``i, i+1, ...`` for one vectored call: at most _IOV_MAX of them and _CHUNK bytes."""
     batch: list[memoryview] = []
@@ -139,10 +218,12 @@ def _consume(views: list[memoryview], i: int, n: int) -> int:
 class _LocalWriter:
     """A file written by chunks, with early, bounded writeback (see the module docstring)."""
 
-    def __init__(self, storage: LocalStorage, path: str) -> None:
+    def __init__(self, storage: LocalStorage, path: str, timer: _Timer | None = None) -> None:
         self._storage = storage
         self._path = path
         self._abs = storage.abspath(path)
+        self._timer = timer
+        self._t0 = time.perf_counter()
         self._fd: int | None = storage._call(
             "open for writing", path,
             lambda: os.open(self._abs, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o644))
@@ -195,6 +276,8 @@ class _LocalWriter:
         fd, self._fd = self._fd, None
         try:
             self._storage._call("fsync", self._path, lambda: os.fsync(fd))
+            if self._timer is not None:
+                self._timer(self._pos, time.perf_counter() - self._t0)
             if self._stream:
                 _drop_cache(fd, 0, 0)
         finally:
@@ -239,7 +322,10 @@ class _DirectWriter:
     """
 
     def __init__(self, storage: LocalStorage, path: str, fd: int,
-                 bufsize: int = _DIRECT_BUF, size_hint: int | None = None) -> None:
+                 bufsize: int = _DIRECT_BUF, size_hint: int | None = None,
+                 timer: _Timer | None = None) -> None:
+        self._timer = timer
+        self._t0 = time.perf_counter()
         self._bufsize = bufsize
         self._storage = storage
         self._path = path
@@ -407,6 +493,8 @@ class _DirectWriter:
         except BaseException:
             self.abort()
             raise
+        if self._timer is not None:
+            self._timer(self._size, time.perf_counter() - self._t0)
         self._fd = None
         os.close(fd)
         self._release()
@@ -612,9 +700,19 @@ class LocalStorage:
 
     def open_writer(self, path: str,
                     size_hint: int | None = None) -> _LocalWriter | _DirectWriter:
-        """A new file at ``path``: direct I/O where the file system takes it, else buffered.
-        ``size_hint`` sizes the direct-I/O buffers (:func:`direct_buffer_size`)."""
-        if DIRECT_IO and _O_DIRECT:
+        """A new file at ``path``: direct I/O or buffered, as :data:`DIRECT_IO` says or the
+        file system's measurements chose (module docstring); buffered where ``O_DIRECT`` is
+        refused. ``size_hint`` sizes the direct-I/O buffers (:func:`direct_buffer_size`) and
+        decides whether this file is timed."""
+        direct = bool(_O_DIRECT) and DIRECT_IO is not False
+        chooser = None
+        if direct and DIRECT_IO is None:
+            chooser = _chooser_for(os.path.dirname(self.abspath(path)))
+            if chooser is not None:
+                direct, timed = chooser.choose(size_hint)
+                if not timed:
+                    chooser = None
+        if direct:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _O_DIRECT
             try:
                 fd = os.open(self.abspath(path), flags, 0o644)
@@ -622,9 +720,13 @@ class LocalStorage:
                 if e.errno != errno.EINVAL:  # EINVAL: no O_DIRECT here (tmpfs, ...)
                     raise StorageError(f"open for writing failed for {self.url}/{path}: "
                                        f"{e.strerror or e}") from e
+                chooser = None  # nothing to compare with on this file system
             else:
-                return _DirectWriter(self, path, fd, direct_buffer_size(size_hint), size_hint)
-        return _LocalWriter(self, path)
+                timer = functools.partial(chooser.record, True) if chooser else None
+                return _DirectWriter(self, path, fd, direct_buffer_size(size_hint), size_hint,
+                                     timer)
+        timer = functools.partial(chooser.record, False) if chooser else None
+        return _LocalWriter(self, path, timer)
 
     def write_bytes(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         final = self.abspath(path)
