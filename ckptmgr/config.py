@@ -53,6 +53,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from ckptmgr._redact import redact_url
 from ckptmgr.errors import ConfigError
@@ -446,28 +447,28 @@ _SECTION_OF: dict[type[BaseModel], str] = {
 
 
 def _settings(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> Iterator[
-        tuple[tuple[str, ...], Setting | None]]:
-    """(the field's keys from ManagerConfig, its Setting) for every field under ``model``; a
-    section's Setting is None."""
+        tuple[tuple[str, ...], FieldInfo, Setting | None]]:
+    """(the field's keys from ManagerConfig, the field, its Setting) for every field under
+    ``model``; a section's Setting is None."""
     for name, info in model.model_fields.items():
         where = (*prefix, info.alias or name)
         sub = _submodel(model, where[-1])
         if sub is not None:
-            yield where, None
+            yield where, info, None
             yield from _settings(sub, where)
             continue
         found = [m for m in info.metadata if isinstance(m, Setting)]
         if len(found) != 1:
             raise TypeError(f"config field {'.'.join(where)} needs exactly one Setting in its "
                             f"annotation, has {len(found)}")
-        yield where, found[0]
+        yield where, info, found[0]
 
 
 def _derive() -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
     """The rules by dotted YAML path, and constructor argument -> keys, in constructor order."""
     rules: dict[str, str] = {}
     args: list[tuple[int, str, tuple[str, ...]]] = []
-    for where, setting in _settings(ManagerConfig):
+    for where, _, setting in _settings(ManagerConfig):
         if setting is None:
             rules[".".join(where)] = "a mapping"
             continue

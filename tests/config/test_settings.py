@@ -8,34 +8,23 @@ import inspect
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
 
 import ckptmgr
 from ckptmgr import config
-from ckptmgr.config import ManagerConfig, Setting
+from ckptmgr.config import ManagerConfig
 from ckptmgr.errors import ConfigError
 
 
-def _leaves(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for name, info in model.model_fields.items():
-        key = prefix + (info.alias or name)
-        ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            out += _leaves(ann, key + ".")
-        else:
-            out.append((key, info))
-    return out
-
-
 def test_every_setting_is_declared_once_with_its_rule_and_description() -> None:
-    leaves = _leaves(ManagerConfig)
+    fields = list(config._settings(ManagerConfig))
+    leaves = [(where, info, setting) for where, info, setting in fields if setting is not None]
+    sections = [where for where, _, setting in fields if setting is None]
+    assert sections == [("storage",), ("retention",), ("async",), ("preemption",), ("local",)]
     assert len(leaves) == len(config._FLAT) == 28
-    for key, info in leaves:
-        settings = [m for m in info.metadata if isinstance(m, Setting)]
-        assert len(settings) == 1, key
-        assert info.description, key
-        assert config._RULES[key] == settings[0].rule
+    for where, info, setting in leaves:
+        assert info.description, where
+        assert config._RULES[".".join(where)] == setting.rule
+        assert config._FLAT[setting.arg or where[-1]] == where
 
 
 def test_the_constructor_signature_agrees_with_the_settings() -> None:

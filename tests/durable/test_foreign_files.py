@@ -8,36 +8,14 @@ import os
 import warnings
 from typing import Any
 
-import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _model import put, snapshot
 from _procs import restored_version, state
 
 from ckptmgr import CheckpointExistsError, CheckpointManager
 from ckptmgr.codec.layout import MANIFEST_NAME
-
-
-def _fs(root: str) -> tuple[Any, str]:
-    fs, path = fsspec.core.url_to_fs(root)
-    return fs, path.rstrip("/")
-
-
-def _put(root: str, rel: str, data: bytes) -> None:
-    fs, path = _fs(root)
-    fs.makedirs(os.path.dirname(f"{path}/{rel}"), exist_ok=True)
-    fs.pipe_file(f"{path}/{rel}", data)
-
-
-def _files(root: str, rel: str) -> dict[str, bytes]:
-    """The files under ``root/rel`` (relative name -> content); {} if absent."""
-    fs, path = _fs(root)
-    base = f"{path}/{rel}"
-    if hasattr(fs, "invalidate_cache"):
-        fs.invalidate_cache()
-    if not fs.exists(base):
-        return {}
-    return {p[len(base) + 1:]: fs.cat_file(p) for p in fs.find(base)}
 
 
 def _skips(caplog: pytest.LogCaptureFixture, step: int) -> list[str]:
@@ -56,7 +34,7 @@ def _dcp_save(path: str) -> None:
 
 def test_foreign_file_in_a_step_dir_survives_every_save(root: str,
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    _put(root, "6/my-notes.txt", b"do not delete")
+    put(root, "6/my-notes.txt", b"do not delete")
     caplog.set_level(logging.WARNING, logger="ckptmgr")
     with CheckpointManager(root, save_interval=1, max_to_keep=1, overwrite=True) as mgr:
         assert mgr.all_steps() == []
@@ -68,18 +46,18 @@ def test_foreign_file_in_a_step_dir_survives_every_save(root: str,
                 call(6, state(6), force=True)
             assert "did not write" in str(ei.value)
         mgr.join()
-        assert _files(root, "6") == {"my-notes.txt": b"do not delete"}
+        assert snapshot(f"{root}/6") == {"my-notes.txt": b"do not delete"}
         assert mgr.save(7, state(7)) is True
         assert mgr.save(8, state(8)) is True  # retention and leftover cleanup run here
         assert mgr.all_steps() == [8]
-    assert _files(root, "6") == {"my-notes.txt": b"do not delete"}
+    assert snapshot(f"{root}/6") == {"my-notes.txt": b"do not delete"}
 
 
 def test_foreign_dcp_step_is_listed_never_counted_deleted_or_written(
         tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
     root = str(tmp_path / "run")
     _dcp_save(os.path.join(root, "5"))
-    before = _files(root, "5")
+    before = snapshot(f"{root}/5")
     assert {".metadata", "__0_0.distcp"} <= set(before)
     caplog.set_level(logging.WARNING, logger="ckptmgr")
     with CheckpointManager(root, save_interval=1, max_to_keep=2, overwrite=True) as mgr:
@@ -93,7 +71,7 @@ def test_foreign_dcp_step_is_listed_never_counted_deleted_or_written(
             assert mgr.save(s, state(s)) is True
         # max_to_keep=2 counts only our committed steps: 7 and 8; step 5 is not ours to delete.
         assert mgr.all_steps() == [5, 7, 8]
-    assert _files(root, "5") == before
+    assert snapshot(f"{root}/5") == before
     with CheckpointManager(root, save_interval=1, read_only=True) as reader:
         assert reader.all_steps() == [5, 7, 8]
         assert reader.step_info(5).format == "dcp"
@@ -102,17 +80,17 @@ def test_foreign_dcp_step_is_listed_never_counted_deleted_or_written(
 def test_retention_deletes_our_files_and_keeps_a_foreign_one(root: str) -> None:
     with CheckpointManager(root, save_interval=1, max_to_keep=1) as mgr:
         assert mgr.save(1, state(1)) is True
-        _put(root, "1/notes.txt", b"mine")
-        assert set(_files(root, "1")) > {MANIFEST_NAME, "notes.txt"}
+        put(root, "1/notes.txt", b"mine")
+        assert set(snapshot(f"{root}/1")) > {MANIFEST_NAME, "notes.txt"}
         assert mgr.save(2, state(2)) is True  # retention deletes step 1: our files only
         assert mgr.all_steps() == [2]
-        assert _files(root, "1") == {"notes.txt": b"mine"}
+        assert snapshot(f"{root}/1") == {"notes.txt": b"mine"}
         assert mgr.save(3, state(3)) is True  # leftover cleanup does not take it either
         assert mgr.save(1, state(1)) is False  # a due save of that directory: skipped
-    assert _files(root, "1") == {"notes.txt": b"mine"}
+    assert snapshot(f"{root}/1") == {"notes.txt": b"mine"}
     with CheckpointManager(root, save_interval=1, overwrite=True) as mgr:
         assert mgr.all_steps() == [3]
-        _put(root, "3/notes.txt", b"also mine")  # foreign file in a committed step of ours
+        put(root, "3/notes.txt", b"also mine")  # foreign file in a committed step of ours
         with pytest.raises(CheckpointExistsError, match=r"notes\.txt"):
             mgr.save(3, state(30), force=True)
         assert restored_version(mgr, 3) == 3

@@ -4,30 +4,12 @@ Processes are real (:class:`_procs.Holder`) and ordered by blocking calls and fi
 
 from __future__ import annotations
 
-from typing import Any
-
-import fsspec
 import pytest
+from _model import snapshot
 from _procs import Holder, restored_version, state
 
 from ckptmgr import CheckpointManager
 from ckptmgr.errors import LeaseError
-
-
-def _fs(root: str) -> tuple[Any, str]:
-    fs, path = fsspec.core.url_to_fs(root)
-    return fs, path.rstrip("/")
-
-
-def _files(root: str, rel: str) -> dict[str, bytes]:
-    """The files under ``root/rel`` (relative name -> content); {} if absent."""
-    fs, path = _fs(root)
-    base = f"{path}/{rel}"
-    if hasattr(fs, "invalidate_cache"):
-        fs.invalidate_cache()
-    if not fs.exists(base):
-        return {}
-    return {p[len(base) + 1:]: fs.cat_file(p) for p in fs.find(base)}
 
 
 def test_second_process_saving_to_the_root_is_refused(local_root: str) -> None:
@@ -61,4 +43,4 @@ def test_second_writer_in_one_process_on_any_storage(root: str) -> None:
             with pytest.raises(LeaseError, match="lost its lease"):
                 a.save(2, state(2))
             assert b.save(2, state(20)) is True
-        assert _files(root, "2") != {}
+        assert snapshot(f"{root}/2") != {}
