@@ -224,6 +224,9 @@ class BoxList(Boxes):
     def box(self, i: int) -> Box:
         return self.boxes[i]
 
+    def __iter__(self) -> Iterator[Box]:
+        return iter(self.boxes)
+
     def index_of(self, offsets: Sequence[int], hint: int | None = None) -> int | None:
         key = tuple(offsets)
         if hint is not None and 0 <= hint < len(self.boxes) and self.boxes[hint][0] == key:

@@ -149,8 +149,8 @@ def _chunks(boxes: Boxes) -> Sequence[ChunkStorageMetadata]:
 def _boxes(size: tuple[int, ...], chunks: Sequence[ChunkStorageMetadata]) -> Boxes:
     if isinstance(chunks, _ChunkSeq):
         return chunks.boxes
-    return BoxList(size, [(tuple(int(x) for x in c.offsets), tuple(int(x) for x in c.sizes))
-                          for c in chunks])
+    # torch.Size is a tuple of ints already: no per-element conversion (128k chunks: seconds)
+    return BoxList(size, [(tuple(c.offsets), tuple(c.sizes)) for c in chunks])
 
 
 class ColumnarLocations(Mapping[MetadataIndex, ItemLocation]):
@@ -229,8 +229,8 @@ def to_doc(md: Metadata) -> MetadataDoc:
     elif stored is None:
         storage = None
     else:
-        storage = {(idx.fqn, None if idx.offset is None else tuple(int(x) for x in idx.offset)):
-                   loc for idx, loc in stored.items()}
+        storage = {(idx.fqn, None if idx.offset is None else tuple(idx.offset)): loc
+                   for idx, loc in stored.items()}
     dcp_version = md.version if isinstance(md.version, str) else None
     return MetadataDoc(tensors, values, storage, md.planner_data, dcp_version)
 
