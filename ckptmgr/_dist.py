@@ -12,6 +12,7 @@ arrive and the phase.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from ckptmgr.errors import CkptmgrError, ConfigError, SaveError
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "Comm", "collective_timeout", "make_group", "portable"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("ckptmgr")
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 """Sized for real jobs: one rank's share of a large save to a slow object store fits in it."""
@@ -99,6 +102,15 @@ class Comm:
         self.arrivals = Arrivals(group, rank=self.rank, world_size=self.world_size,
                                  timeout_s=timeout.total_seconds() if timeout is not None
                                  else DEFAULT_COLLECTIVE_TIMEOUT_S)
+
+    def destroy(self) -> None:
+        """Destroy this Comm's own group (a failure is logged: it must not mask the caller's
+        error). Only for groups ckptmgr created."""
+        if self.group is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception as e:
+                log.debug("could not destroy ckptmgr group: %s", e)
 
     def _collective(self, fn: Callable[[], T]) -> T:
         self.arrivals.arrive()

@@ -12,15 +12,17 @@ except :meth:`WriterProcess.save`, which the background save thread calls):
    (:func:`~ckptmgr.dcp.writer.encode_object`), then :func:`wire_items` describes the staged state
    by reference: no tensor byte is pickled.
 3) :meth:`WriterProcess.save` (background save thread) sends new arenas' descriptors and the job,
-   and waits for the reply: the :class:`~ckptmgr.tiers.DurableOutcome`, or the error to raise.
+   and waits for the reply: the :class:`~ckptmgr.durable.DurableOutcome`, or the error to raise.
 4) :meth:`WriterProcess.close`: the writer exits; a writer that does not is killed.
 
 Writer process (:func:`main`, a fresh interpreter started with ``python -c``, so the training
 script is never imported in it, safe under torchrun): ignores SIGINT/SIGTERM and the preemption
 signals (the training process decides, then closes it); exits at once when the training process is
 gone (a lifeline pipe's EOF or a new parent pid), so nothing is written after the parent died, and
-nothing half-written becomes visible (the commit protocol). It writes, checksums, commits through
-:func:`~ckptmgr.tiers.save_durable` (the same code thread mode runs), fenced by the training
+nothing half-written becomes visible (the commit protocol). It builds the root's
+:class:`~ckptmgr.durable.DurableTier` with the recipe the manager uses
+(:meth:`~ckptmgr.durable.DurableTier.from_config`, from the same configuration) and saves through
+it (the same code thread mode runs): it writes, checksums, commits, fenced by the training
 process's writer lease (read from storage, never renewed here) and by the parent being alive, and
 applies retention. It never unpickles a user object: values arrive encoded.
 """
@@ -53,38 +55,20 @@ from ckptmgr._async import Stager
 from ckptmgr._dist import Comm, portable
 from ckptmgr._shm import ArenaSet, ShmTensor, attach, view
 from ckptmgr.config import ManagerConfig
-from ckptmgr.dcp.checkpoint import SavePlanners
 from ckptmgr.dcp.shards import StagedDTensor
 from ckptmgr.dcp.writer import EncodedValue, encode_object
+from ckptmgr.durable import DurableOutcome, DurableTier, View
 from ckptmgr.errors import CkptmgrError, ConfigError, LeaseError, SaveError
 from ckptmgr.lease import Lease, LeaseInfo
-from ckptmgr.policy import RetentionPolicy, StepRecord, build_policy
-from ckptmgr.step_store import CommitPlan, StepStore
-from ckptmgr.storage import (
-    ClientConfig,
-    apply_client_config,
-    client_config,
-    open_storage,
-    split_scheme,
-)
-from ckptmgr.tiers import DurableOutcome, save_durable
+from ckptmgr.step_store import CommitPlan
+from ckptmgr.storage import ClientConfig, apply_client_config, client_config, split_scheme
 
-__all__ = ["DurableJob", "WriterProcess", "main", "retention_policy", "stop_if_stuck",
-           "wire_items"]
+__all__ = ["DurableJob", "WriterProcess", "main", "stop_if_stuck", "wire_items"]
 
 log = logging.getLogger("ckptmgr")
 
 _ORPHANED = 70  # exit status of a writer whose training process is gone
 _CLOSE_WAIT_S = 60.0  # a writer still busy after close() is asked this long, then killed
-
-
-def retention_policy(cfg: ManagerConfig) -> RetentionPolicy:
-    """The durable tier's retention policy of ``cfg`` (the manager and the writer build it here)."""
-    ret = cfg.retention
-    return build_policy(max_to_keep=ret.max_to_keep, keep_period=ret.keep_period,
-                        keep_time_interval=ret.keep_time_interval,
-                        best_metric=ret.best_metric, best_mode=ret.best_mode,
-                        keep_best=ret.keep_best)
 
 
 @dataclass(frozen=True)
@@ -104,13 +88,12 @@ class _WireDTensor:
 @dataclass(frozen=True)
 class DurableJob:
     """One durable save for the writer process: the coordinator's plan, the state by reference
-    (:func:`wire_items`), and the root's steps as the training process knows them."""
+    (:func:`wire_items`), and the root's view as the training process knows it."""
 
     plan: CommitPlan
     trusted: bool
     items: dict[str, Any]
-    records: dict[int, StepRecord]
-    dcp_steps: list[int]
+    view: View
 
 
 @dataclass(frozen=True)
@@ -416,7 +399,8 @@ def _watch_parent(lifeline: int, parent: int) -> None:
 
 
 class _Writer:
-    """The writer process's state: the root, retention, the lease to check, its group."""
+    """The writer process's state: the durable tier (fenced by the lease and the parent), the
+    mapped arenas, its group."""
 
     def __init__(self, spec: _Spec) -> None:
         cfg = spec.cfg
@@ -424,12 +408,8 @@ class _Writer:
             signal.signal(sig, signal.SIG_IGN)
         self.parent = os.getppid()
         apply_client_config(spec.fsspec_conf)  # the storage is configured as the trainer's
-        self.store = StepStore(open_storage(cfg.path, cfg.storage.options, writable=True),
-                               fence=self.fence)
-        self.policy = retention_policy(cfg)
-        self.lease = Lease.follow(self.store.storage, spec.lease) if spec.lease else None
-        self.planners = SavePlanners()
-        self.num_threads = cfg.async_.num_of_threads
+        self.durable = DurableTier.from_config(cfg)  # the manager's recipe, the same config
+        self.durable.follow_lease(spec.lease, alive=self.alive)
         self.arenas: dict[int, torch.Tensor] = {}
         self.comm = Comm(None)
         if spec.world_size > 1:
@@ -442,12 +422,10 @@ class _Writer:
                 rank=spec.rank, world_size=spec.world_size, timeout=timeout)
             self.comm = Comm(dist.group.WORLD, timeout)
 
-    def fence(self) -> None:
-        """(before a commit or a deletion) The training process is alive and holds the lease."""
+    def alive(self) -> None:
+        """(before a commit or a deletion, with the lease) The training process is alive."""
         if os.getppid() != self.parent:
             raise LeaseError("the training process is gone: the writer process commits nothing")
-        if self.lease is not None:
-            self.lease.check()
 
     def flat(self, items: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -464,10 +442,10 @@ class _Writer:
         return out
 
     def save(self, job: DurableJob) -> DurableOutcome:
-        return save_durable(
-            self.store, self.flat(job.items), job.plan, self.comm,
-            planner=self.planners.get(False), trusted=job.trusted, num_threads=self.num_threads,
-            fence=self.fence, records=job.records, policy=self.policy, dcp_steps=job.dcp_steps)
+        self.durable.view = job.view  # the training process's view: it saw every commit
+        # A sharded (SPMD) save runs in the training process: the writer's are plain DCP.
+        return self.durable.save(self.flat(job.items), job.plan, self.comm, spmd=False,
+                                 trusted=job.trusted)
 
     def close(self) -> None:
         if self.comm.group is not None and dist.is_initialized():

@@ -208,7 +208,7 @@ def test_manager_reuses_plans_and_restores_what_changed(tmp_path: Any) -> None:
     with ckptmgr.CheckpointManager(root, save_interval=1) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, _state(step))
-        planner = mgr._planners.get(False)
+        planner = mgr._durable.planners.get(False)
         assert (planner.local_plan_reuses, planner.global_plan_reuses) == (2, 2)
         assert planner.state_dict == {}  # no reference to the saved tensors between saves
         grown = dict(_state(4), w1=torch.arange(12.0).reshape(3, 4), w9=torch.ones(2))
@@ -268,7 +268,7 @@ def _ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     with ckptmgr.CheckpointManager(root, save_interval=1) as mgr:
         mgr.save(1, state(Shard(0)))
         mgr.save(2, state(Shard(0)))
-        planner = mgr._planners.get(False)
+        planner = mgr._durable.planners.get(False)
         out["reuse_same"] = (planner.local_plan_reuses, planner.global_plan_reuses)
         out["tokens"] = planner.plan_tokens_sent
         mgr.save(3, state(Replicate()))  # placements changed: every rank plans again

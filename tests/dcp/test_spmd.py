@@ -287,7 +287,7 @@ def test_unchanged_layout_reuses_the_plan_and_a_new_one_replans(tmp_path: Path) 
     with CheckpointManager(str(tmp_path), 1) as mgr:
         for step in (1, 2):
             mgr.save(step, {"w": CpuShardedTensor(_value((8, 8), seed=step), (2, 2), (0, 1))})
-        planner = mgr._planners.get(True)
+        planner = mgr._durable.planners.get(True)
         assert planner is not None and planner.global_plan_reuses == 1
         t = _value((8, 8), seed=3)
         mgr.save(3, {"w": CpuShardedTensor(t, (4,), (None, 0))})  # another layout: re-planned

@@ -11,7 +11,7 @@ import pytest
 from _faulty import wrap
 from _procs import Holder, restored_version, state, wait_for_file
 
-import ckptmgr.manager
+import ckptmgr.durable
 from ckptmgr import CheckpointManager
 from ckptmgr.codec.layout import MANIFEST_NAME
 from ckptmgr.errors import CorruptCheckpointError, RestoreError
@@ -52,7 +52,7 @@ def test_reader_during_overwrites_gets_old_or_new_never_corrupt(local_root: str,
 def test_overwrite_fsyncs_the_step_dir_before_the_manifest(
         local_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, str]] = []
-    real_open = ckptmgr.manager.open_storage
+    real_open = ckptmgr.durable.open_storage
 
     def open_storage(*args: Any, **kwargs: Any) -> Storage:
         st: Any = wrap(real_open(*args, **kwargs))
@@ -69,7 +69,7 @@ def test_overwrite_fsyncs_the_step_dir_before_the_manifest(
         st.fsync_dir, st.write_bytes = record_fsync, record_write
         return st  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(ckptmgr.manager, "open_storage", open_storage)
+    monkeypatch.setattr(ckptmgr.durable, "open_storage", open_storage)
     with CheckpointManager(local_root, save_interval=1, overwrite=True) as mgr:
         mgr.save(3, state(1))
         calls.clear()
@@ -85,7 +85,7 @@ def test_restore_of_a_step_overwritten_midway_reads_the_new_version(
     """Deterministic form of the race above: the writer overwrites step 5 (dropping the old
     attempt's files) exactly between the reader's manifest read and its metadata read, or its
     data reads. The reader must get the new version, not CorruptCheckpointError/StorageError."""
-    real_open = ckptmgr.manager.open_storage
+    real_open = ckptmgr.durable.open_storage
     with CheckpointManager(local_root, save_interval=1, overwrite=True) as writer:
         writer.save(5, state(1))
         fired: list[str] = []
@@ -107,7 +107,7 @@ def test_restore_of_a_step_overwritten_midway_reads_the_new_version(
                 setattr(st, name, hooked)
             return st  # type: ignore[no-any-return]
 
-        monkeypatch.setattr(ckptmgr.manager, "open_storage", open_storage)
+        monkeypatch.setattr(ckptmgr.durable, "open_storage", open_storage)
         with CheckpointManager(local_root, save_interval=1, read_only=True) as reader:
             assert restored_version(reader, 5) == 2
         assert fired, "the overwrite never ran inside the restore"

@@ -53,7 +53,8 @@ def test_reader_racing_retention_is_told_the_step_was_deleted(tmp_path: Path) ->
         reader = CheckpointManager(root, save_interval=1, read_only=True)
         gate = Gate()
         # The reader has read step 1's manifest and metadata; its data reads wait here.
-        _gate_data_reads(reader._store.storage, gate, ("open_reader", "read_into", "read_bytes"))
+        _gate_data_reads(reader._durable.store.storage, gate,
+                         ("open_reader", "read_into", "read_bytes"))
         t, errors = _in_thread(lambda: reader.restore(1, {"w": torch.zeros(1000), "v": 0}))
         gate.wait_arrived()
         writer.save(2, {"w": torch.full((1000,), 2.0), "v": 2})  # retention deletes step 1

@@ -410,12 +410,12 @@ def test_fenced_writer_after_commit_removes_nothing_of_the_new_holder(
     real_scan = StepStore.scan
 
     def scan_after_takeover(self: StepStore) -> Any:
-        if self is a._store and "b" not in holder:  # A's clean-up after committing step 2
+        if self is a._durable.store and "b" not in holder:  # A's clean-up after committing step 2
             b = ckptmgr.CheckpointManager(root, save_interval=1, take_over=True)
-            plan = b._store.begin_save(3, forced=True, overwrite=False, world_size=1)
+            plan = b._durable.store.begin_save(3, forced=True, overwrite=False, world_size=1)
             assert plan is not None
-            b._store.storage.write_bytes(f"{plan.write_dir}/data-{plan.attempt}-r00000-000.bin",
-                                         b"in flight")
+            b._durable.store.storage.write_bytes(
+                f"{plan.write_dir}/data-{plan.attempt}-r00000-000.bin", b"in flight")
             holder.update(b=b, plan=plan)
         return real_scan(self)
 
@@ -423,7 +423,7 @@ def test_fenced_writer_after_commit_removes_nothing_of_the_new_holder(
     a.save(2, _state(2))  # commits (the lease was A's), then finds itself fenced
     monkeypatch.setattr(StepStore, "scan", real_scan)
     b, plan = holder["b"], holder["plan"]
-    files = b._store.storage.list_files(plan.write_dir)
+    files = b._durable.store.storage.list_files(plan.write_dir)
     assert files == {f"data-{plan.attempt}-r00000-000.bin": 9}, "A deleted B's in-flight step"
     with pytest.raises(ckptmgr.errors.LeaseError):
         a.save(4, _state(4))

@@ -22,7 +22,7 @@ def test_state_dict_that_is_not_a_dict_is_a_config_error_before_any_io(
     with CheckpointManager(root, save_interval=1) as mgr:
         mgr.save(1, {"w": torch.ones(2)})
         calls: list[str] = []
-        storage = mgr._store.storage
+        storage = mgr._durable.store.storage
         for name in ("read_bytes", "read_into", "open_reader", "list_files", "scan_root",
                      "size", "exists", "write_bytes", "open_writer"):
             method = getattr(storage, name)

@@ -55,7 +55,7 @@ def _exercise(url: str, opts: dict[str, Any]) -> list[str]:
                 call()
             texts += ["".join(traceback.format_exception(ei.value))]
         mgr.restore(2, {"w": torch.zeros(100), "extra": {"s": 0}})
-        storage = mgr._store.storage
+        storage = mgr._durable.store.storage
         texts += [repr(storage), storage.url]
     return texts
 

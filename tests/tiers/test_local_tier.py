@@ -1,5 +1,5 @@
-"""The node-local tier (ckptmgr/local_tier.py) at its seams: a re-save that failed on one rank, a local
-step damaged or wiped while the manager is open, and reads of files that are not regular."""
+"""The node-local tier (ckptmgr/local_tier.py) at its seams: a re-save that failed on one rank, a
+local step damaged or wiped while the manager is open, and reads of files that are not regular."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _state(v: float) -> dict[str, Any]:
 
 
 def _resave_fails_on_rank_1(rank: int, world: int, root: str, nodes: str) -> Any:
-    import ckptmgr.tiers as tiers
+    import ckptmgr.local_tier as local_tier
 
     local = os.path.join(nodes, f"node{rank}")
     state = _state(0)
@@ -32,18 +32,18 @@ def _resave_fails_on_rank_1(rank: int, world: int, root: str, nodes: str) -> Any
         state["w"].fill_(1.0)
         assert m.save(1, state)
         state["w"].fill_(2.0)
-        real = tiers.write_step
+        real = local_tier.write_step
         if rank == 1:
             def disk_full(*args: Any, **kwargs: Any) -> Any:
                 raise OSError(28, "No space left on device (injected)")
-            tiers.write_step = disk_full  # type: ignore[assignment]
+            local_tier.write_step = disk_full  # type: ignore[assignment]
         try:
             m.save(1, state)
             out["resave"] = "ok"
         except SaveError as e:
             out["resave"] = f"SaveError: {e}"
         finally:
-            tiers.write_step = real  # type: ignore[assignment]
+            local_tier.write_step = real  # type: ignore[assignment]
         out["listed"] = m.all_steps()
     with ckptmgr.CheckpointManager(root, save_interval=1000, local_path=local,
                                    local_interval=1) as m:

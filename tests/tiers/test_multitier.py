@@ -1,4 +1,4 @@
-"""Multi-tier checkpoints (ckptmgr.tiers): a node-local tier per rank, a durable tier on S3.
+"""Multi-tier checkpoints (ckptmgr.local_tier): a node-local tier per rank, a durable tier on S3.
 
 Real gloo ranks (tests/_procs.py), FSDP2-sharded model and Adam state (DTensors), each rank given
 its own local directory (``node<r>``, simulating nodes), the durable tier on the moto S3 server.

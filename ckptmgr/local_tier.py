@@ -1,7 +1,7 @@
-"""The tiers of a manager: the fast node-local tier, and retention per tier.
+"""The fast node-local tier (``local_path``): one world-size-1 checkpoint per rank and step.
 
-The durable tier is the root (``path``): one world-size-N checkpoint per step, as always. The
-local tier (``local_path``) is per rank: rank ``r`` writes its own files under
+The durable tier (the root, :mod:`ckptmgr.durable`) holds one world-size-N checkpoint per step.
+The local tier is per rank: rank ``r`` writes its own files under
 ``<local_path>/rank-<r>``, a root of its own (its own :class:`~ckptmgr.step_store.StepStore`,
 writer lease, commit protocol and checksums) holding a *world-size-1* checkpoint of this rank's
 local view of the state:
@@ -28,25 +28,21 @@ Call order (every collective over the caller's ``comm``, same order on every ran
 3) (all ranks) :meth:`LocalTier.restore`: agree that every rank can read the step (files, sizes,
    layout) before reading; read; agree that every rank succeeded. False means: every rank falls
    back to the durable tier.
-
-:func:`durable_after_commit` is the durable tier's retention after a commit (DESIGN.md section 7).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from functools import partial
 from typing import Any
 
 import torch
 
 from ckptmgr._dist import Comm
 from ckptmgr.codec.checksum import Hasher
-from ckptmgr.codec.layout import attempt_in_name, join, new_attempt_id, step_dir_name
+from ckptmgr.codec.layout import join, new_attempt_id, step_dir_name
 from ckptmgr.codec.manifest import Manifest
 from ckptmgr.config import ManagerConfig
 from ckptmgr.dcp import shards
@@ -54,7 +50,6 @@ from ckptmgr.dcp.checkpoint import (
     SavePlanners,
     load_step,
     prepare_restore,
-    read_restore_source,
     read_step_metadata,
     write_step,
 )
@@ -64,19 +59,15 @@ from ckptmgr.errors import (
     CkptmgrError,
     CorruptCheckpointError,
     LeaseError,
-    RestoreError,
     SaveError,
     StorageError,
 )
 from ckptmgr.info import StepInfo
-from ckptmgr.formats.plain_dcp import load_foreign, prepare_foreign_restore
 from ckptmgr.lease import Lease
-from ckptmgr.policy import StepRecord, steps_to_delete
-from ckptmgr.step_store import CommitPlan, StepStore, deleted_while_read
-from ckptmgr.storage import open_storage, retry_budget
+from ckptmgr.step_store import CommitPlan, StepStore
+from ckptmgr.storage import open_storage
 
-__all__ = ["LAYOUT_KEY", "DurableOutcome", "LocalTier", "durable_after_commit", "local_view",
-           "save_durable"]
+__all__ = ["LAYOUT_KEY", "LocalTier", "local_view"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -394,6 +385,16 @@ class LocalTier:
                  self.root, nbytes)
         return nbytes
 
+    def unreadable(self, step: int, available: list[int]) -> CorruptCheckpointError:
+        """The error of a step held only by this tier whose :meth:`restore` fell back (every
+        rank alike: :attr:`last_failure` says why)."""
+        return CorruptCheckpointError(
+            f"step {step} is held only by the local tier ({self.root} on each rank) and cannot "
+            f"be read there: {self.last_failure}. " + (
+                "Part of the target state may hold its bytes; " if self.last_failure_touched
+                else "The target state was not changed; ") + f"restore another step: {available}",
+            step=step)
+
     def _agreed(self, comm: Comm, why: str | None, step: int, when: str) -> bool:
         whys = comm.all_gather(why)
         bad = {r: w for r, w in enumerate(whys) if w is not None}
@@ -490,165 +491,3 @@ def _whole(held: list[list[_Held]], world_size: int) -> dict[int, str | None]:
     return {s: next(iter(saves[s])) for s in sorted(counts)
             if counts[s] == world_size and len(saves[s]) == 1
             and (world_size == 1 or None not in saves[s])}
-
-
-@dataclass(frozen=True)
-class DurableOutcome:
-    """What a durable save did, on every rank: this rank's bytes, every rank's, the seconds
-    writing and committing took, and the root's steps after retention."""
-
-    bytes_written: int
-    total_bytes: int
-    write_s: float
-    records: dict[int, StepRecord]
-    dcp_steps: list[int]
-
-
-def save_durable(store: StepStore, flat: dict[str, Any], plan: CommitPlan, comm: Comm, *,
-                 planner: Any, trusted: bool, num_threads: int | None,
-                 fence: Callable[[], None], records: dict[int, StepRecord], policy: Any,
-                 dcp_steps: Iterable[int]) -> DurableOutcome:
-    """(collective over ``comm``) Write and commit ``plan``'s step, apply the durable tier's
-    retention on the coordinator (fenced by ``fence``), agree on the result.
-
-    The same code runs in the training process (``async_mode="thread"``, and synchronous saves)
-    and in the writer process (``"process"``).
-    """
-    t_write = time.perf_counter()
-    outcome = write_step(flat, store, plan, rank=comm.rank, group=comm.group, planner=planner,
-                         trusted=trusted, num_threads=num_threads,
-                         fence=fence if comm.is_coordinator else None, arrivals=comm.arrivals)
-    write_s = time.perf_counter() - t_write
-    new_records, new_dcp = comm.on_coordinator(lambda: durable_after_commit(
-        store, records, plan, outcome.manifest, policy, dcp_steps))
-    total = sum(comm.all_gather(outcome.bytes_written))
-    return DurableOutcome(outcome.bytes_written, total, write_s, new_records, list(new_dcp))
-
-
-def durable_after_commit(store: StepStore, records: dict[int, StepRecord], plan: CommitPlan,
-                         manifest: Manifest | None, policy: Any,
-                         dcp_steps: Iterable[int] = ()) -> tuple[dict[int, StepRecord],
-                                                                 list[int]]:
-    """(coordinator) The durable tier after a commit: record it, drop replaced attempts, apply
-    retention, remove leftovers of crashed saves. Retention never deletes the step this save
-    committed, the newest committed step, or anything ckptmgr did not write. Every removal goes
-    through the store's fenced door: a writer that lost its lease after committing removes
-    nothing (another job may be writing into the root by then).
-
-    Returns:
-        The new records and the plain-DCP steps of the root.
-    """
-    assert manifest is not None, "coordinator has no manifest after commit"
-    records = dict(records)
-    records[plan.step] = StepRecord(step=plan.step, time=manifest.unix_time,
-                                    metrics=dict(manifest.metrics))
-    if not plan.staged:
-        store.remove_replaced_attempts(plan)
-    # Nothing else is in flight: the only save in flight is the one that just committed.
-    doomed = [s for s in steps_to_delete([records[s] for s in sorted(records)], policy)
-              if s != plan.step]
-    for s in doomed:
-        try:
-            store.delete_step(s)
-        except LeaseError as e:  # fenced: nothing more is removed by this writer
-            log.error("retention after committing step %d stopped: %s", plan.step, e)
-            return records, list(dcp_steps)
-        except CkptmgrError as e:  # retention is best effort; the new step is committed
-            log.warning("retention could not delete step %d: %s", s, e)
-            continue
-        log.info("retention deleted step %d from %s", s, store.url)
-        del records[s]
-    try:  # best effort: the step is committed whatever happens here
-        scan = store.scan()
-        store.remove_leftovers(scan, keep_attempt=plan.attempt)
-        return records, scan.dcp_steps
-    except LeaseError as e:
-        log.error("after committing step %d: no leftovers removed: %s", plan.step, e)
-        return records, list(dcp_steps)
-    except CkptmgrError as e:
-        log.warning("after committing step %d: could not list the root to remove leftovers: %s",
-                    plan.step, e)
-        return records, list(dcp_steps)  # the plain-DCP steps as known before
-
-
-def durable_fits(elapsed_s: float, last: Any, grace_s: float) -> bool:
-    """(coordinator) Whether a durable save still fits in the preemption grace period after the
-    local one: ``elapsed_s`` since the agreement plus the last durable write (``last``: its
-    SaveStats, None when this process made none: then try) within ``grace_s``."""
-    need = getattr(last, "write_s", None)
-    if need is None or elapsed_s + need <= grace_s:
-        return True
-    log.warning("preemption: the local tier holds the step; skipping the durable save (%.1f s "
-                "elapsed + %.1f s for the last durable write > preemption_grace_s=%.1f s)",
-                elapsed_s, need, grace_s)
-    return False
-
-
-_RESTORE_TRIES = 3  # a step overwritten while it is read is read again (old or new, never mixed)
-
-
-def restore_durable(store: StepStore, step: int, state_dict: Mapping[str, Any], comm: Comm, *,
-                    foreign: bool, planner: str, allow_partial: bool, trusted: bool,
-                    verify: bool) -> int:
-    """(collective over ``comm``) Restore ``step`` from the durable tier in place; the bytes
-    this rank read.
-
-    A plain-DCP step (``foreign``) is read with DCP's own reader (:mod:`ckptmgr.dcp.foreign`).
-    Our steps: the coordinator alone reads the manifest and metadata and shares them; a step
-    overwritten by the job writing the root while it is read is read again, so the result is
-    the old or the new version, never a mix, and never a false "damaged".
-    """
-    with retry_budget():  # one budget for the whole restore: its reads, re-reads and checks
-        return _restore_durable(store, step, state_dict, comm, foreign=foreign, planner=planner,
-                                allow_partial=allow_partial, trusted=trusted, verify=verify)
-
-
-def _restore_durable(store: StepStore, step: int, state_dict: Mapping[str, Any], comm: Comm, *,
-                     foreign: bool, planner: str, allow_partial: bool, trusted: bool,
-                     verify: bool) -> int:
-    if foreign:
-        prepared_foreign = comm.agree(lambda: prepare_foreign_restore(
-            store.storage, step, state_dict, planner=planner, allow_partial=allow_partial,
-            trusted=trusted), token=step)
-        load_foreign(prepared_foreign, rank=comm.rank, world_size=comm.world_size,
-                     group=comm.group)
-        return 0
-    for tries_left in reversed(range(_RESTORE_TRIES)):
-        # The attempt whose files this try reads; None until its manifest was read.
-        attempt: str | None = None
-        try:
-            source = comm.on_coordinator(  # nobody else lists or reads manifest, metadata
-                lambda: read_restore_source(store, step, verify=verify))
-            attempt = source.manifest.attempt
-            prepared = comm.agree(partial(prepare_restore, source, step, state_dict,
-                                          planner=planner, allow_partial=allow_partial,
-                                          trusted=trusted, world_size=comm.world_size),
-                                  token=step)
-            return load_step(prepared, store, step, rank=comm.rank, world_size=comm.world_size,
-                             group=comm.group, verify=verify, trusted=trusted,
-                             arrivals=comm.arrivals)
-        except (CorruptCheckpointError, StorageError) as e:
-            # An overwrite by the writing job removes the replaced attempt's files (the metadata
-            # or a data file, even while it is listed): the step is not damaged, it is newer.
-            # Read it again; only a step that stayed the same is damaged.
-            if attempt is None:  # failed before the manifest was agreed: the file names it
-                attempt = attempt_in_name(getattr(e, "path", None))
-            # Deleted meanwhile (retention of the job writing the root): not damaged, gone.
-            deleted = comm.on_coordinator(partial(deleted_while_read, store, step))
-            if deleted is not None:
-                raise deleted from e
-            if attempt is None or not comm.on_coordinator(
-                    partial(_overwritten, store, step, attempt)):
-                raise
-            if not tries_left:
-                raise RestoreError(
-                    f"step {step} in {store.url} was overwritten by the job writing this root "
-                    f"each of the {_RESTORE_TRIES} times it was read; it is not damaged: "
-                    "restore it again, or restore another step", step=step) from e
-            log.warning("step %d was overwritten while it was read; reading it again", step)
-    raise AssertionError("unreachable")
-
-
-def _overwritten(store: StepStore, step: int, attempt: str) -> bool:
-    """(coordinator) Whether ``step`` now holds another attempt than ``attempt``."""
-    return store.current_attempt(step) not in (attempt, None)

@@ -1,0 +1,299 @@
+"""The save half of :class:`~ckptmgr.manager.CheckpointManager`: decide, prepare and write one
+save across the tiers.
+
+A save call is checked, then every rank agrees on preemption and on whether to save (interval,
+force, ``backpressure``); the state is prepared on every rank and the coordinator plans the
+durable step (:meth:`~ckptmgr.durable.DurableTier.begin`). :meth:`SavePath._write` then writes
+the local tier first (when due), then the durable tier, here or in the writer process, and records
+the save's figures. ``save`` runs it on the caller's thread, ``save_async`` on the save queue's
+worker (each with its own gloo group). A preemption saves the agreed step on every tier the
+grace period allows, then ends the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ckptmgr._async import SaveQueue, Stager
+from ckptmgr._dist import Comm
+from ckptmgr._save_on_close import LastGiven
+from ckptmgr.codec.layout import check_step
+from ckptmgr.codec.manifest import check_metadata, check_metrics
+from ckptmgr.config import ManagerConfig, check_flag
+from ckptmgr.dcp.checkpoint import PreparedSave, prepare_save
+from ckptmgr.dcp.state import check_state_dict
+from ckptmgr.durable import DurableTier, fits_in_grace
+from ckptmgr.errors import AsyncSaveError, CkptmgrError, ConfigError, SaveError
+from ckptmgr.events import Listeners, log_save
+from ckptmgr.info import SaveStats
+from ckptmgr.local_tier import LocalTier
+from ckptmgr.preemption import PreemptionWatcher, agree_preemption, warn_if_over_grace
+from ckptmgr.step_store import CommitPlan
+from ckptmgr.writer_process import DurableJob, WriterProcess, stop_if_stuck, wire_items
+
+__all__ = ["SavePath"]
+
+log = logging.getLogger("ckptmgr")
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One save call's checked arguments."""
+
+    step: int
+    forced: bool
+    metrics: dict[str, float]
+    metadata: dict[str, Any]
+    trusted: bool
+    t_call: float
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """A save every rank agreed on: the prepared state and the coordinator's plan."""
+
+    request: _Request
+    prepared: PreparedSave
+    plan: CommitPlan | None  # None: the local tier only
+    local: bool = False  # also (first) to the local tier
+
+
+class SavePath:
+    """The save half of :class:`~ckptmgr.manager.CheckpointManager`, its base class: the
+    manager's constructor builds every part declared here."""
+
+    config: ManagerConfig
+    _durable: DurableTier
+    _local: LocalTier | None
+    _queue: SaveQueue
+    _stager: Stager
+    _writer: WriterProcess | None
+    _preempt: PreemptionWatcher | None
+    _preempted_step: int | None
+    _grace_warned: bool
+    _inflight_step: int | None
+    _last_stats: SaveStats | None
+    _events: Listeners
+    _given: LastGiven
+    _closing: bool
+    _caller: Comm
+    _worker: Comm
+    _closed: bool
+    # The manager's public methods this half calls.
+    close: Callable[[], None]
+    latest_step: Callable[[], int | None]
+    save: Callable[..., bool]
+
+    @property
+    def last_save_stats(self) -> SaveStats | None:
+        """Figures of the last completed save on this rank (None before the first)."""
+        return self._last_stats
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is due by the interval (local; no I/O)."""
+        step = check_step(step)
+        return (bool(step % self.config.save_interval == 0) or step == self._preempted_step
+                or (self._local is not None and self._local.due(step)))
+
+    def reached_preemption(self, step: int) -> bool:
+        """Whether a preemption was agreed, and its checkpoint taken, at ``step`` (local)."""
+        return check_step(step) == self._preempted_step
+
+    def join(self) -> None:
+        """Wait for the save in flight and its retention; re-raise its failure once.
+
+        Raises:
+            AsyncSaveError: the background save failed; its original error is ``__cause__``.
+        """
+        err = self._queue.wait()
+        self._inflight_step = None
+        if err is not None:
+            raise AsyncSaveError(f"the background save of step {getattr(err, 'step', None)} "
+                                 f"failed: {err}", step=getattr(err, "step", None),
+                                 failures=getattr(err, "failures", None) or {}) from err
+
+    def wait_until_finished(self) -> None:
+        """Alias of :meth:`join`."""
+        self.join()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CkptmgrError("this CheckpointManager is closed; create a new one")
+
+    def _save_on_close(self) -> None:
+        """(collective) The save of a normal close(): the newest step given and not saved, if
+        ``save_on_close`` allows it (:class:`~ckptmgr._save_on_close.LastGiven`)."""
+        given = self._given.to_save(self._caller, self.latest_step())
+        if given is None:
+            return
+        r = given.request
+        self._closing = True
+        try:
+            self.save(given.step, given.state_dict, force=True, metrics=r.metrics,
+                      metadata=r.metadata, trusted=r.trusted)
+        finally:
+            self._closing = False
+
+    def _start_save(self, step: Any, state_dict: Mapping[str, Any], force: Any, metrics: Any,
+                    metadata: Any, trusted: Any, *, may_skip: bool) -> _Ready | bool:
+        """(caller thread, collective) Check the call, agree on preemption and on whether to
+        save; prepare the state and the coordinator's plan. A bool means: done, return it."""
+        t_call = time.perf_counter()
+        self._check_open()
+        if self.config.read_only:
+            raise ConfigError("this CheckpointManager is read_only=True: it cannot save; open "
+                              "the root without read_only to write it")
+        req = _Request(check_step(step), check_flag("force", force), check_metrics(metrics),
+                       check_metadata(metadata), check_flag("trusted", trusted), t_call)
+        check_state_dict(state_dict)  # also when the step is not due: the call is wrong anyway
+        self._caller.arrivals.begin("save", req.step, "plan")
+        # The save of close() is the last one anyway: it neither polls nor acts on preemption.
+        signum = None if self._closing else agree_preemption(self._preempt, self._caller)
+        if signum:
+            return self._preemption_save(req, state_dict, signum)
+        if not (req.forced or self.should_save(req.step)):
+            # A step that is not due never blocks. A failure already known is raised now when
+            # this process is alone; with several ranks only at due steps, where all ranks meet.
+            self._given.remember(req.step, state_dict, req)
+            if self._caller.world_size == 1 and self._queue.has_failed():
+                self.join()
+            return False
+        # With "skip", every rank must take the same decision: skip if a save is in flight on any.
+        if (may_skip and self.config.async_.backpressure == "skip" and not req.forced
+                and self._caller.any(self._queue.in_flight)):
+            log.info("skipping step %d: the save of step %s is still in flight", req.step,
+                     self._inflight_step)
+            self._given.remember(req.step, state_dict, req)
+            return False
+        restarted = self._writer is not None and self._writer.ensure(self._caller,
+                                                                     self._durable.lease)
+        try:
+            self.join()
+        finally:  # a writer process that died may have committed before it could say so
+            if restarted:
+                self._durable.rescan(self._caller)
+        self._given.saved(req.step)  # this save covers the steps given before
+        return self._prepare(req, state_dict, on_exists="raise",
+                             durable=req.forced or req.step % self.config.save_interval == 0,
+                             local=self._local is not None and (req.forced or self._local.due(
+                                 req.step)))
+
+    def _prepare(self, req: _Request, state_dict: Mapping[str, Any], *,
+                 on_exists: str, durable: bool = True, local: bool = False) -> _Ready | bool:
+        """(caller thread, collective) Flatten and check the state; the coordinator plans."""
+        comm = self._caller
+        prepared = comm.agree(lambda: prepare_save(state_dict, planner=self.config.planner,
+                                                   trusted=req.trusted), token=req.step)
+        plan = comm.on_coordinator(lambda: self._durable.begin(
+            req.step, forced=req.forced, world_size=comm.world_size, metrics=req.metrics,
+            metadata=req.metadata, mesh=prepared.mesh, on_exists=on_exists)) if durable else None
+        if local and plan is None and (durable or self._durable.view.holds(req.step)):
+            # The durable tier holds this step and keeps it: a new local copy would make two
+            # versions of one step (which one a restore gets would depend on local retention).
+            log.warning("skipping the local-tier save of step %d: the durable tier holds that "
+                        "step%s", req.step, "" if durable else
+                        "; save it with force=True and overwrite=True to replace it everywhere")
+            local = False
+        if plan is None and not local:
+            return False
+        self._events.emit("on_save_start", req.step)
+        return _Ready(req, prepared, plan, local)
+
+    def _submit(self, ready: _Ready) -> None:
+        """(caller thread) Stage the state (copies: the caller may change it from now on) and
+        queue its write on the worker thread (its own group); the durable part runs in the
+        writer process when there is one (the state by reference, :func:`wire_items`)."""
+        staged = self._stager.stage(ready.prepared.flat)
+        wire = None if self._writer is None or ready.plan is None or ready.prepared.spmd else (
+            wire_items(staged, self._stager, trusted=ready.request.trusted))
+        blocking_s = time.perf_counter() - ready.request.t_call
+        self._inflight_step = ready.request.step
+        self._queue.submit(lambda: self._write(ready, staged, self._worker, blocking_s, wire),
+                           name=f"ckptmgr-save-{ready.request.step}")
+
+    def _preemption_save(self, req: _Request, state_dict: Mapping[str, Any],
+                         signum: int) -> bool:
+        """Every rank saves ``req.step`` now, waits for the commit, then exits (or returns)."""
+        log.warning("preemption (signal %d) agreed at step %d: saving it before exiting",
+                    signum, req.step)
+        self._preempted_step = req.step
+        self._given.given = None  # this is the last checkpoint: close() saves nothing after it
+        try:
+            with stop_if_stuck(self._writer, self.config.preemption.grace_s / 3):
+                self.join()
+        except AsyncSaveError as e:  # the last checkpoint matters more than the one before it
+            log.error("the save before the preemption failed: %s", e)
+        if self._local is not None:  # the fast tier first, the durable one if the grace allows
+            local_ready = self._prepare(req, state_dict, on_exists="skip", durable=False,
+                                        local=True)
+            try:
+                if isinstance(local_ready, _Ready):  # False: the durable tier holds the step
+                    self._write(local_ready, local_ready.prepared.flat, self._caller, None)
+            except SaveError as e:
+                log.error("the local-tier preemption save failed: %s", e)
+        fits = self._local is None or self._caller.on_coordinator(lambda: fits_in_grace(
+            time.perf_counter() - req.t_call, self._last_stats, self.config.preemption.grace_s))
+        ready = self._prepare(req, state_dict, on_exists="skip") if fits else True
+        if isinstance(ready, _Ready):
+            self._write(ready, ready.prepared.flat, self._caller, blocking_s=None)
+        elif ready is False:
+            log.warning("step %d is already in the root: it is the preemption checkpoint",
+                        req.step)
+        assert self._preempt is not None
+        self._preempt.acknowledge()
+        log.warning("preemption checkpoint of step %d committed in %.2f s", req.step,
+                    time.perf_counter() - req.t_call)
+        if self.config.preemption.exit_on_preemption:
+            self.close()
+            raise SystemExit(128 + signum)
+        return True
+
+    def _write(self, ready: _Ready, flat: dict[str, Any], comm: Comm,
+               blocking_s: float | None, wire: dict[str, Any] | None = None) -> None:
+        """(collective over ``comm``) Write, commit, apply retention, agree on the new steps.
+
+        Runs on the caller's thread for ``save`` (``comm`` is the caller's) and on the worker
+        thread for ``save_async`` (the worker's); ``wire``: the durable part runs in the writer.
+        """
+        plan, req = ready.plan, ready.request
+        local_err = self._local.save(
+            req.step, flat, comm, metrics=req.metrics, metadata=req.metadata,
+            trusted=req.trusted, num_threads=self.config.async_.num_of_threads,
+        ) if ready.local and self._local is not None else None
+        if plan is None:
+            if local_err is not None:
+                raise local_err
+            return
+        try:
+            if self._writer is not None and wire is not None:  # in the writer process
+                out = self._writer.save(DurableJob(plan, req.trusted, wire, self._durable.view),
+                                        self._stager.take_retired())
+                self._durable.view = out.view
+            else:
+                out = self._durable.save(flat, plan, comm, spmd=ready.prepared.spmd,
+                                         trusted=req.trusted)
+        except BaseException:
+            if plan.overwrite and ready.local and local_err is None and self._local is not None:
+                # The local tier holds the new version, the root still the old one: one step,
+                # two versions. The local copy goes (the failure is agreed on every rank).
+                self._local.forget(req.step)
+            raise
+        stats = SaveStats(
+            step=plan.step,
+            blocking_s=blocking_s if blocking_s is not None else time.perf_counter() - req.t_call,
+            write_s=out.write_s, bytes=out.bytes_written, total_bytes=out.total_bytes,
+            staging_bytes=self._stager.last_staged_bytes if blocking_s is not None else 0,
+            pinned_bytes=self._stager.pinned_nbytes)
+        self._last_stats = stats
+        took = stats.blocking_s + (out.write_s if blocking_s is not None else 0.0)
+        if self.config.preemption.enabled and not self._grace_warned:
+            self._grace_warned = warn_if_over_grace(plan.step, took,
+                                                    self.config.preemption.grace_s)
+        log_save(stats, self._durable.url)
+        self._events.emit("on_save_end", stats)
+        if local_err is not None:
+            raise local_err
