@@ -561,23 +561,30 @@ def _decode_planner_paths(doc: Any) -> dict[str, tuple[str | int, ...]]:
     return out
 
 
-def _decode_v1(data: bytes) -> MetadataDoc:
-    """Format 1 (one JSON document)."""
-    if len(data) <= _DEPTH_PRESCAN_BYTES:
-        check_json_depth(data, 16)
+def _json_document(raw: bytes, version: int, what: str) -> dict[str, Any]:
+    """The JSON object ``raw`` (``what``: "metadata" or "metadata header", for messages), nesting
+    bounded, of our format and ``version``."""
+    if len(raw) <= _DEPTH_PRESCAN_BYTES:
+        check_json_depth(raw, 16)
     try:
-        doc = json.loads(data.decode("utf-8"))
+        doc = json.loads(raw.decode("utf-8"))
     except RecursionError as e:
         # json's C parser counts its nesting against the recursion limit (it never overflows
-        # the C stack), so a deep document fails here; the schema below rejects the rest.
+        # the C stack), so a deep document fails here; the schema rejects the rest.
         raise ManifestError("metadata JSON is nested too deeply") from e
     except ValueError as e:  # also UnicodeDecodeError, and ints of over 4300 digits
-        raise ManifestError(f"metadata is not valid JSON: {e}"[:300]) from e
+        raise ManifestError(f"{what} is not valid JSON: {e}"[:300]) from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ManifestError("not ckptmgr DCP metadata")
-    if doc.get("version") != 1:
+    if doc.get("version") != version:
         raise ManifestError(f"metadata version {doc.get('version')!r} is not supported by this "
                             "ckptmgr (it reads versions 1 and 2): upgrade ckptmgr")
+    return doc
+
+
+def _decode_v1(data: bytes) -> MetadataDoc:
+    """Format 1 (one JSON document)."""
+    doc = _json_document(data, 1, "metadata")
     out: dict[str, TensorEntry] = {}
     keys: set[str] = set()
     tensors = doc.get("tensors")
@@ -1142,20 +1149,7 @@ def _decode_v2(data: bytes) -> MetadataDoc:
     hlen = int.from_bytes(data[8:16], "little")
     if 16 + hlen > len(data):
         raise ManifestError("metadata header lies outside the file")
-    head = bytes(data[16:16 + hlen])
-    if len(head) <= _DEPTH_PRESCAN_BYTES:
-        check_json_depth(head, 16)
-    try:
-        doc = json.loads(head.decode("utf-8"))
-    except RecursionError as e:
-        raise ManifestError("metadata JSON is nested too deeply") from e
-    except ValueError as e:  # also UnicodeDecodeError, and ints of over 4300 digits
-        raise ManifestError(f"metadata header is not valid JSON: {e}"[:300]) from e
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ManifestError("not ckptmgr DCP metadata")
-    if doc.get("version") != 2:
-        raise ManifestError(f"metadata version {doc.get('version')!r} is not supported by this "
-                            "ckptmgr (it reads versions 1 and 2): upgrade ckptmgr")
+    doc = _json_document(bytes(data[16:16 + hlen]), 2, "metadata header")
     start = 16 + hlen + (-(16 + hlen) % 8)
     # The columns are read in place (no copy: most of the bytes are checksums, read only for
     # the chunks a rank restores); a column whose values are bounded is range-checked here.
