@@ -4,20 +4,23 @@
 from a source path to its reader (:func:`is_file_source`, :func:`read_file_source`).
 
 An index may name only plain file names in its directory; a tensor named in two files is an
-error. ``ckptmgr export --format hf`` writes the same layout (:data:`HF_INDEX_NAME`).
+error. ``ckptmgr export --format hf`` writes the same layout: :func:`shard_file_names`, and the
+index by :func:`index_bytes`.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ckptmgr.errors import ConfigError, UnsafeCheckpointError
 from ckptmgr.formats.files import SourceTensor, open_regular, parse_json
 from ckptmgr.formats.safetensors import read_safetensors
 from ckptmgr.formats.torch_save import read_torch_file
 
-__all__ = ["HF_INDEX_NAME", "index_files", "is_file_source", "read_directory", "read_file_source"]
+__all__ = ["HF_INDEX_NAME", "index_bytes", "index_files", "is_file_source", "read_directory",
+           "read_file_source", "shard_file_names"]
 
 HF_INDEX_NAME = "model.safetensors.index.json"  # the name transformers looks for
 _PT_INDEX_NAME = "pytorch_model.bin.index.json"
@@ -103,3 +106,15 @@ def read_file_source(path: str) -> list[SourceTensor]:
     if not tensors:
         raise ConfigError(f"source {path!r} holds no tensors")
     return tensors
+
+
+def shard_file_names(count: int) -> list[str]:
+    """The names ``transformers``' ``save_pretrained`` gives ``count`` safetensors shards."""
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+def index_bytes(weight_map: Mapping[str, str], total_size: int) -> bytes:
+    """The index file (:data:`HF_INDEX_NAME`) naming each tensor's shard, as
+    :func:`index_files` reads it back."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(weight_map)}
+    return json.dumps(index, indent=2, sort_keys=True).encode("utf-8") + b"\n"

@@ -5,7 +5,6 @@ safetensors files plus their index (:func:`export_hf`)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -26,7 +25,7 @@ from ckptmgr.dcp.reader import metadata_from_doc
 from ckptmgr.dcp.shards import coverage_problem
 from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 from ckptmgr.errors import CkptmgrError, ConfigError, CorruptCheckpointError, StorageError
-from ckptmgr.formats.hf import HF_INDEX_NAME
+from ckptmgr.formats.hf import HF_INDEX_NAME, index_bytes, shard_file_names
 from ckptmgr.formats.safetensors import safetensors_header
 from ckptmgr.formats.torch_save import PtWriter, pt_data_pkl
 from ckptmgr.progress import Progress, phase
@@ -572,7 +571,7 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
     _check_unique_names(planned, "change the prefix or the key map")
     shards = _shard(planned, limit)
     n = len(shards)
-    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    names = shard_file_names(n)
     headers = [safetensors_header(s, step) for s in shards]  # refuses dtypes before any write
     total = sum(t.out_nbytes for t in planned)
     for final in [*names, HF_INDEX_NAME]:
@@ -603,13 +602,12 @@ def export_hf(url: str, step: int | None, out_dir: str | os.PathLike[str], *,
                         p.advance(t.out_nbytes)
                     f.flush()
                     os.fsync(f.fileno())
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {t.name: name for name, shard in zip(names, shards, strict=True)
-                                for t in shard}}
+        weight_map = {t.name: name for name, shard in zip(names, shards, strict=True)
+                      for t in shard}
         tmp, f = _create_temp(out_dir, HF_INDEX_NAME)
         staged.append((tmp, os.path.join(out_dir, HF_INDEX_NAME)))  # last: it completes the set
         with f:
-            f.write(json.dumps(index, indent=2, sort_keys=True).encode("utf-8") + b"\n")
+            f.write(index_bytes(weight_map, total))
             f.flush()
             os.fsync(f.fileno())
         _publish(staged, out_dir)
