@@ -167,7 +167,6 @@ def inspect_step(url: str, step: int | None = None, *,
         if gone is not None:  # retention of a job writing the root: not damage
             raise gone from e
         raise
-    locs = _locations(md)
     tensors: list[TensorEntry] = []
     values: list[ValueEntry] = []
     for name in sorted([*md.tensors, *md.values], key=_natural):
@@ -176,7 +175,7 @@ def inspect_step(url: str, step: int | None = None, *,
             tensors.append(TensorEntry(name, t.dtype, t.size,
                                        _numel(t.size) * _element_size(t.dtype), tuple(t.chunks)))
         else:
-            loc = locs.get((name, None))
+            loc = md.location(name, None)
             values.append(ValueEntry(name, loc.enc if loc else "?", loc.length if loc else 0))
     return StepDetails(storage.url, StepInfo.from_manifest(manifest), manifest.attempt,
                        manifest.metadata_file, tuple(tensors), tuple(values))
