@@ -6,7 +6,7 @@ training job's data-set cache matters more than a checkpoint's). Two byte paths:
   the kernel spends no CPU on copying, dirty accounting, writeback and reclaim. Large items are
   written from the caller's own memory (``write_unbuffered``: the file is padded so their offset
   has their address's alignment); everything else is copied into three page-aligned bounce
-  buffers (8-64 MiB: 1/32 of the file). Four I/O threads keep several writes in flight in a
+  buffers (8-64 MiB: 1/32 of the file). Eight I/O threads keep several writes in flight in a
   preallocated file;
 - buffered writes with early writeback: the kernel is asked to start writing each chunk as soon
   as it is written (``sync_file_range``), at most a bounded window is dirty, and pages already on
@@ -79,9 +79,18 @@ _DIRECT_NBUF = 3  # one being filled, one being written, one spare
 # Several writes in flight: on this machine's virtual disk one 64 MiB write at a time left the
 # queue empty between writes; writes straight from tensor memory (no copy) with 4 in flight took
 # 1 GiB in 1.10x the dd floor's time where the copying writer with one in flight took 1.89x, at
-# 0.19 s of CPU instead of 0.46 s (docs/performance.md).
-_DIRECT_THREADS = 4
+# 0.19 s of CPU instead of 0.46 s. Eight in flight, with the bounce buffer's bytes copied before
+# each large item (_COPY_BELOW), wrote 1 GiB of 816 tensors in 0.92x the time of four without the
+# copy here (median of 10 interleaved pairs), and eight took 0.93x the time of four on a 16-core
+# GPU host's virtual disk; one took 1.39x (docs/performance.md, "Choosing the byte path").
+_DIRECT_THREADS = 8
 _DIRECT_MAX_WRITE = 64 * 1024 * 1024  # one write of the caller's memory at most
+# Before an unbuffered write, the bounce buffer's few bytes (padding, a head, small items) go out
+# as a private copy when they are under this size, so the buffer is free at once: handing the
+# buffer itself made the producer wait for one of the three buffers before every large item,
+# which capped the writes in flight at about five whatever the number of I/O threads. Alone, with
+# four threads, it was neutral (0.90x-1.05x in three A/B runs): it is what lets eight pay off.
+_COPY_BELOW = 256 * 1024
 _ZEROS = bytes(_DIRECT_ALIGN)  # padding of unbuffered writes
 
 
@@ -399,7 +408,10 @@ class _DirectWriter:
         if head:
             self.writev([mv[:head]])
         if self._fill:  # aligned now: the buffer's bytes go before the middle
-            self._submit(self._fill)
+            if self._fill < _COPY_BELOW:
+                self._submit_copy()
+            else:
+                self._submit(self._fill)
         self._start_threads()
         for off in range(head, head + mid, _DIRECT_MAX_WRITE):
             piece = mv[off:min(off + _DIRECT_MAX_WRITE, head + mid)]
@@ -416,6 +428,18 @@ class _DirectWriter:
                                  daemon=True)
             t.start()
             self._threads.append(t)
+
+    def _submit_copy(self) -> None:
+        """Hand the bounce buffer's bytes (a multiple of the alignment) to the I/O threads as a
+        page-aligned copy; the buffer is refilled from its start."""
+        self._raise_io_error()
+        self._start_threads()
+        copy = mmap.mmap(-1, self._fill)
+        view = memoryview(copy)
+        view[:] = self._views[self._cur][:self._fill]
+        self._work.put((view, self._offset, -1, copy))
+        self._offset += self._fill
+        self._fill = 0
 
     def _submit(self, n: int) -> None:
         self._raise_io_error()
