@@ -28,16 +28,12 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptmgr.dcp.metadata import find_chunk, overlapping_chunks, stored_volume
+from ckptmgr.dcp.metadata import dtype_name, find_chunk, overlapping_chunks, stored_volume
 from ckptmgr.dcp.shards import ShardedTensor, distinct_boxes
 
 __all__ = ["CompatibilityReport", "Reshard", "compatibility_report", "describe_mesh"]
 
 _SHOWN = 50  # lines of each kind spelled out in str(); the counts are always complete
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def describe_mesh(flat: Mapping[str, Any]) -> dict[str, Any] | list[dict[str, Any]] | None:
@@ -265,8 +261,8 @@ def compatibility_report(metadata: Metadata, flat: Mapping[str, Any], saved_worl
                                 f"{list(value.shape)} in state")
                 bad = True
             if value.dtype != saved.properties.dtype:
-                problems.append(f"{key}: dtype {_dtype_name(saved.properties.dtype)} in "
-                                f"checkpoint, {_dtype_name(value.dtype)} in state")
+                problems.append(f"{key}: dtype {dtype_name(saved.properties.dtype)} in "
+                                f"checkpoint, {dtype_name(value.dtype)} in state")
                 bad = True
             if bad:
                 continue
