@@ -97,8 +97,47 @@ class CachedMetadataReader(FileSystemReader):
         return self._cached
 
 
+def _reader(storage: Storage, step: int) -> StorageReader:
+    """DCP's reader of ``step``'s directory under ``storage``."""
+    name = step_dir_name(step)
+    if isinstance(storage, LocalStorage):
+        return FileSystemReader(os.path.join(storage.root, name))
+    if isinstance(storage, FsspecStorage):
+        fs = storage.fs
+        return fsspec_reader(fs.unstrip_protocol(storage.full(name)),
+                             dict(getattr(fs, "storage_options", None) or {}))
+    raise RestoreError(f"step {step} in {storage.url} was written by plain DCP, which ckptmgr "
+                       f"reads only from local or fsspec roots, not {type(storage).__name__}",
+                       step=step)
+
+
+def _read_metadata(reader: StorageReader, step: int, url: str) -> Metadata:
+    """The step's unpickled ``.metadata`` with every data file name checked to stay inside it."""
+    try:
+        md = reader.read_metadata()
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError,
+            ImportError, IndexError, TypeError) as e:
+        raise CorruptCheckpointError(
+            f"step {step} in {url}: its DCP .metadata cannot be read ({type(e).__name__}: {e})",
+            step=step, path=".metadata") from e
+    if not isinstance(md, Metadata):
+        raise CorruptCheckpointError(f"step {step} in {url}: .metadata holds a "
+                                     f"{type(md).__name__}, not DCP Metadata", step=step,
+                                     path=".metadata")
+    for info in (md.storage_data or {}).values():
+        rel = str(getattr(info, "relative_path", "") or "")
+        if not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
+            raise UnsafeCheckpointError(f"step {step} in {url}: .metadata names data file "
+                                        f"{rel!r} outside the step directory", step=step)
+    return md
+
+
 def _nbytes(meta: TensorStorageMetadata) -> int:
-    return math.prod(meta.size) * torch.empty((), dtype=meta.properties.dtype).element_size()
+    return math.prod(meta.size) * meta.properties.dtype.itemsize
+
+
+# ---------------------------------------------------------------------------------------------
+# DCP's flat items back in their containers
 
 
 def _set_path(root: dict[str, Any], path: Sequence[Any], value: Any) -> None:
@@ -156,41 +195,6 @@ class _ForeignLoadPlanner(_TrustedLoad, CkptLoadPlanner):
 
 class _ForeignSpmdLoadPlanner(_TrustedLoad, SpmdLoadPlanner):
     """The SPMD load planner (sharded XLA tensors), values unpickled."""
-
-
-def _reader(storage: Storage, step: int) -> StorageReader:
-    """DCP's reader of ``step``'s directory under ``storage``."""
-    name = step_dir_name(step)
-    if isinstance(storage, LocalStorage):
-        return FileSystemReader(os.path.join(storage.root, name))
-    if isinstance(storage, FsspecStorage):
-        fs = storage.fs
-        return fsspec_reader(fs.unstrip_protocol(storage.full(name)),
-                             dict(getattr(fs, "storage_options", None) or {}))
-    raise RestoreError(f"step {step} in {storage.url} was written by plain DCP, which ckptmgr "
-                       f"reads only from local or fsspec roots, not {type(storage).__name__}",
-                       step=step)
-
-
-def _read_metadata(reader: StorageReader, step: int, url: str) -> Metadata:
-    """The step's unpickled ``.metadata`` with every data file name checked to stay inside it."""
-    try:
-        md = reader.read_metadata()
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ValueError,
-            ImportError, IndexError, TypeError) as e:
-        raise CorruptCheckpointError(
-            f"step {step} in {url}: its DCP .metadata cannot be read ({type(e).__name__}: {e})",
-            step=step, path=".metadata") from e
-    if not isinstance(md, Metadata):
-        raise CorruptCheckpointError(f"step {step} in {url}: .metadata holds a "
-                                     f"{type(md).__name__}, not DCP Metadata", step=step,
-                                     path=".metadata")
-    for info in (md.storage_data or {}).values():
-        rel = str(getattr(info, "relative_path", "") or "")
-        if not rel or "/" in rel or "\\" in rel or rel in (".", ".."):
-            raise UnsafeCheckpointError(f"step {step} in {url}: .metadata names data file "
-                                        f"{rel!r} outside the step directory", step=step)
-    return md
 
 
 @dataclass
