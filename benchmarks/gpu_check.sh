@@ -55,7 +55,7 @@ step() { echo; echo "== $* ($(date -u +%H:%M:%S))"; }
 step "environment"
 # The wheels only fill gaps: an environment that already imports ckptmgr's dependencies (a CI
 # virtual environment, a host that has them) uses its own.
-if ! "$py" -c "import pydantic, xxhash, yaml, fsspec" 2>/dev/null \
+if ! "$py" -c "import pydantic, xxhash, yaml, fsspec, numpy" 2>/dev/null \
         && [[ -d "$wheels" ]] && compgen -G "$wheels/*.whl" >/dev/null; then
     site="${TMPDIR:-/tmp}/ckptmgr-gpu-site"
     rm -rf "$site"
