@@ -63,8 +63,8 @@ class _Ready:
 
 
 class SavePath:
-    """The save half of :class:`~ckptmgr.manager.CheckpointManager`, its base class: the
-    manager's constructor builds every part declared here."""
+    """The save half of :class:`~ckptmgr.manager.CheckpointManager` (``save``, ``save_async``,
+    ``join``), its base class: the manager's constructor builds every part declared here."""
 
     config: ManagerConfig
     _durable: DurableTier
@@ -86,7 +86,6 @@ class SavePath:
     # The manager's public methods this half calls.
     close: Callable[[], None]
     latest_step: Callable[[], int | None]
-    save: Callable[..., bool]
 
     @property
     def last_save_stats(self) -> SaveStats | None:
@@ -102,6 +101,52 @@ class SavePath:
     def reached_preemption(self, step: int) -> bool:
         """Whether a preemption was agreed, and its checkpoint taken, at ``step`` (local)."""
         return check_step(step) == self._preempted_step
+
+    def save(self, step: int, state_dict: Mapping[str, Any], force: bool = False, *,
+             metrics: Mapping[str, float] | None = None, metadata: Mapping[str, Any] | None = None,
+             trusted: bool = False) -> bool:
+        """Save ``state_dict`` at ``step`` if due (or ``force``); blocks until committed.
+
+        Collective. Waits for a save in flight first. Returns True when it saved; False when the
+        step was not due, or is already in the root (a committed or foreign step: one warning).
+
+        Raises:
+            ConfigError: a bad step, flag, metrics, metadata or state dict; a read-only manager.
+            CheckpointExistsError: a forced save of a step the root already holds (ours without
+                ``overwrite``, or a directory ckptmgr did not write).
+            UnsafeCheckpointError: the state holds objects that need pickle and not ``trusted``.
+            SaveError: the save failed on some rank (``.failures``); nothing was committed.
+            LeaseError: this manager lost the root's writer lease to another job.
+            AsyncSaveError: the previous background save failed (raised once).
+        """
+        ready = self._start_save(step, state_dict, force, metrics, metadata, trusted,
+                                 may_skip=False)
+        if isinstance(ready, bool):
+            return ready
+        self._write(ready, ready.prepared.flat, self._caller, blocking_s=None)
+        return True
+
+    def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False, *,
+                   metrics: Mapping[str, float] | None = None,
+                   metadata: Mapping[str, Any] | None = None, trusted: bool = False) -> bool:
+        """Save ``state_dict`` at ``step`` in the background if due (or ``force``); True if queued.
+
+        Collective. Captures the whole state before returning: tensors are copied into reused
+        host buffers, Python values are deep-copied and every Stateful's ``state_dict()`` is
+        called, so later changes never reach the checkpoint. A background worker then writes,
+        commits and applies retention. With a save in flight it first waits for it
+        (``backpressure="block"``) or returns False (``"skip"``; forced saves never skip).
+
+        Raises:
+            AsyncSaveError: the previous background save failed (raised once, on every rank).
+            The errors of :meth:`save` that concern the inputs.
+        """
+        ready = self._start_save(step, state_dict, force, metrics, metadata, trusted,
+                                 may_skip=True)
+        if isinstance(ready, bool):
+            return ready
+        self._submit(ready)
+        return True
 
     def join(self) -> None:
         """Wait for the save in flight and its retention; re-raise its failure once.

@@ -358,10 +358,12 @@ class DurableTier:
         its manifest (committed, no symbolic link, well-formed).
 
         Raises:
+            UnsafeCheckpointError: not listed because its directory is a symbolic link.
             CheckpointNotFoundError: not listed (IncompleteCheckpointError: its directory exists
                 but never committed); lists ``available``.
         """
         if step not in available:
+            self.store.check_not_symlink(step)  # say why a link is not listed
             raise self.store.not_found(step, available)
 
     def read_manifest(self, step: int) -> Manifest:

@@ -8,8 +8,8 @@ What it routes between: the durable tier (:class:`~ckptmgr.durable.DurableTier`:
 by the one recipe the writer process uses too), the node-local tier
 (:class:`~ckptmgr.local_tier.LocalTier`), the single-in-flight queue and staging
 (:mod:`ckptmgr._async`; :mod:`ckptmgr.writer_process` for ``async_mode="process"``), and
-preemption (:mod:`ckptmgr.preemption`). The save half (decide, prepare, write one save across the
-tiers) is its base class, :class:`~ckptmgr._save_path.SavePath`.
+preemption (:mod:`ckptmgr.preemption`). The save half (``save``, ``save_async``, ``join``: decide,
+prepare, write one save across the tiers) is its base class, :class:`~ckptmgr._save_path.SavePath`.
 """
 
 from __future__ import annotations
@@ -208,52 +208,6 @@ class CheckpointManager(SavePath):
         return replace(info, tiers=("durable", "local")) if local else info
 
     # ------------------------------------------------------------------------ collectives
-
-    def save(self, step: int, state_dict: Mapping[str, Any], force: bool = False, *,
-             metrics: Mapping[str, float] | None = None, metadata: Mapping[str, Any] | None = None,
-             trusted: bool = False) -> bool:
-        """Save ``state_dict`` at ``step`` if due (or ``force``); blocks until committed.
-
-        Collective. Waits for a save in flight first. Returns True when it saved; False when the
-        step was not due, or is already in the root (a committed or foreign step: one warning).
-
-        Raises:
-            ConfigError: a bad step, flag, metrics, metadata or state dict; a read-only manager.
-            CheckpointExistsError: a forced save of a step the root already holds (ours without
-                ``overwrite``, or a directory ckptmgr did not write).
-            UnsafeCheckpointError: the state holds objects that need pickle and not ``trusted``.
-            SaveError: the save failed on some rank (``.failures``); nothing was committed.
-            LeaseError: this manager lost the root's writer lease to another job.
-            AsyncSaveError: the previous background save failed (raised once).
-        """
-        ready = self._start_save(step, state_dict, force, metrics, metadata, trusted,
-                                 may_skip=False)
-        if isinstance(ready, bool):
-            return ready
-        self._write(ready, ready.prepared.flat, self._caller, blocking_s=None)
-        return True
-
-    def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False, *,
-                   metrics: Mapping[str, float] | None = None,
-                   metadata: Mapping[str, Any] | None = None, trusted: bool = False) -> bool:
-        """Save ``state_dict`` at ``step`` in the background if due (or ``force``); True if queued.
-
-        Collective. Captures the whole state before returning: tensors are copied into reused
-        host buffers, Python values are deep-copied and every Stateful's ``state_dict()`` is
-        called, so later changes never reach the checkpoint. A background worker then writes,
-        commits and applies retention. With a save in flight it first waits for it
-        (``backpressure="block"``) or returns False (``"skip"``; forced saves never skip).
-
-        Raises:
-            AsyncSaveError: the previous background save failed (raised once, on every rank).
-            The errors of :meth:`save` that concern the inputs.
-        """
-        ready = self._start_save(step, state_dict, force, metrics, metadata, trusted,
-                                 may_skip=True)
-        if isinstance(ready, bool):
-            return ready
-        self._submit(ready)
-        return True
 
     def close(self) -> None:
         """Wait for the save in flight (re-raising its failure), save the newest step given to
