@@ -70,9 +70,11 @@ class _Fault:
     """Counts the export's file operations; the ``at``-th fails with ENOSPC (one fault)."""
 
     def __init__(self, at: int | None) -> None:
-        self.at, self.n, self.hit = at, 0, ""
+        self.at, self.n, self.hit, self.done = at, 0, "", False
 
     def tick(self, what: str, storage: bool = False) -> None:
+        if self.done:  # the export has returned: the harness's own operations never fail
+            return
         self.n += 1
         if self.n == self.at:
             self.hit = f"{what} (operation {self.n})"
@@ -150,7 +152,11 @@ def target_export(root: str, step: int, edits: Mapping[str, bytes | None],
     if fault_at is not None:
         _inject(fault, out_dir)
     try:
-        result = tools.export_hf(root, step, out_dir, max_shard_size=MAX_SHARD, prefix="model.")
+        try:
+            result = tools.export_hf(root, step, out_dir, max_shard_size=MAX_SHARD,
+                                     prefix="model.")
+        finally:
+            fault.done = True
     except BaseException as e:
         after = _snapshot(out_dir)
         if after != before:
