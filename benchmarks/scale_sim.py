@@ -64,14 +64,9 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
+from ckptmgr.codec.chunks import Column, GridBoxes
 from ckptmgr.codec.manifest import FileEntry, Manifest, encode_manifest
-from ckptmgr.codec.metadata import (
-    Column,
-    ColumnarStorage,
-    GridBoxes,
-    ItemLocation,
-    TensorLocations,
-)
+from ckptmgr.codec.metadata import ColumnarStorage, ItemLocation, TensorLocations
 from ckptmgr.dcp.metadata import (
     ColumnarLocations,
     GridChunks,

@@ -446,7 +446,7 @@ class StepStore:
         """
         # Here, not at the top: the metadata codec's checks use numpy, which ``ckptmgr ls``
         # (manifests only) never loads.
-        from ckptmgr.codec.metadata import MAX_METADATA_BYTES, parse_metadata
+        from ckptmgr.codec.metadata_file import MAX_METADATA_BYTES, parse_metadata
 
         step, name = manifest.step, manifest.metadata_file
         data = self.read_dir_file(dirname, manifest, name, max_bytes=MAX_METADATA_BYTES,

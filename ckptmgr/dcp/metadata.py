@@ -1,5 +1,6 @@
 """DCP ``Metadata`` from and to the metadata file: the torch-facing side of
-:mod:`ckptmgr.codec.metadata`, which decodes and validates the bytes into plain structures.
+:mod:`ckptmgr.codec.metadata_file`, which decodes and validates the bytes into the plain
+structures of :mod:`ckptmgr.codec.metadata`.
 
 Format 2 decodes into compact chunk lists and locations (O(tensors) objects); here they become
 what DCP's planners expect without expanding them: :class:`GridChunks` and :class:`ChunkTable`
@@ -27,21 +28,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ckptmgr.codec.chunks import Boxes, BoxList, BoxTable, GridBoxes
 from ckptmgr.codec.manifest import ManifestError
 from ckptmgr.codec.metadata import (
-    VERSION,
-    Boxes,
-    BoxList,
-    BoxTable,
     ColumnarStorage,
-    GridBoxes,
     ItemLocation,
     MetadataDoc,
     StorageKey,
     TensorEntry,
-    parse_metadata,
-    serialize_metadata,
 )
+from ckptmgr.codec.metadata_file import VERSION, parse_metadata, serialize_metadata
 
 __all__ = [
     "ChunkTable", "ColumnarLocations", "GridChunks", "decode_metadata", "dtype_name",
@@ -68,7 +64,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class _ChunkSeq(Sequence[ChunkStorageMetadata]):
-    """``md.chunks`` over compact :class:`~ckptmgr.codec.metadata.Boxes`: equality with any
+    """``md.chunks`` over compact :class:`~ckptmgr.codec.chunks.Boxes`: equality with any
     sequence of chunks, no hashing."""
 
     def __init__(self, boxes: GridBoxes | BoxTable) -> None:
@@ -126,14 +122,14 @@ class _ChunkSeq(Sequence[ChunkStorageMetadata]):
 
 
 class GridChunks(_ChunkSeq):
-    """The chunks of a :class:`~ckptmgr.codec.metadata.GridBoxes` (a regular split of one
+    """The chunks of a :class:`~ckptmgr.codec.chunks.GridBoxes` (a regular split of one
     dimension, FSDP2's ``Shard(0)``)."""
 
     boxes: GridBoxes
 
 
 class ChunkTable(_ChunkSeq):
-    """The chunks of a :class:`~ckptmgr.codec.metadata.BoxTable` (any other list)."""
+    """The chunks of a :class:`~ckptmgr.codec.chunks.BoxTable` (any other list)."""
 
     boxes: BoxTable
 
@@ -212,7 +208,7 @@ def from_doc(doc: MetadataDoc) -> Metadata:
 
 def to_doc(md: Metadata) -> MetadataDoc:
     """``md`` (``storage_data``: MetadataIndex -> ItemLocation, or None) as the codec's
-    structures, for :func:`~ckptmgr.codec.metadata.serialize_metadata`."""
+    structures, for :func:`~ckptmgr.codec.metadata_file.serialize_metadata`."""
     tensors: dict[str, TensorEntry] = {}
     values: list[str] = []
     for fqn, sm in md.state_dict_metadata.items():

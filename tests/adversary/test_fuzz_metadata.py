@@ -1,5 +1,5 @@
-"""Fuzzing DCP metadata, formats 1 and 2 (``ckptmgr/codec/metadata.py``, decoded for DCP by
-``ckptmgr/dcp/metadata.py``).
+"""Fuzzing DCP metadata, formats 1 and 2 (``ckptmgr/codec/metadata_json.py`` and
+``metadata_columnar.py``, decoded for DCP by ``ckptmgr/dcp/metadata.py``).
 
 The metadata is the map a restore follows: which chunks a tensor has, where their bytes are.
 Every case writes the mutated metadata into a copy of a real step and fixes the manifest's size

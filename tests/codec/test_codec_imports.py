@@ -10,9 +10,10 @@ import torch
 
 from ckptmgr.codec.dtypes import DTYPE_ITEMSIZE
 
-_MODULES = ("ckptmgr.codec", "ckptmgr.codec.checksum", "ckptmgr.codec.dtypes",
-            "ckptmgr.codec.layout", "ckptmgr.codec.manifest", "ckptmgr.codec.metadata",
-            "ckptmgr.codec.values")
+_MODULES = ("ckptmgr.codec", "ckptmgr.codec.checksum", "ckptmgr.codec.chunks",
+            "ckptmgr.codec.dtypes", "ckptmgr.codec.layout", "ckptmgr.codec.manifest",
+            "ckptmgr.codec.metadata", "ckptmgr.codec.metadata_columnar",
+            "ckptmgr.codec.metadata_file", "ckptmgr.codec.metadata_json", "ckptmgr.codec.values")
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:

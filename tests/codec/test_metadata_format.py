@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.metadata import (
 
 import ckptmgr
 from ckptmgr.codec.manifest import ManifestError, UnsafePathError
-from ckptmgr.codec.metadata import MAGIC, ItemLocation
+from ckptmgr.codec.metadata import ItemLocation
+from ckptmgr.codec.metadata_columnar import MAGIC
 from ckptmgr.dcp.metadata import (
     ChunkTable,
     ColumnarLocations,

@@ -22,7 +22,7 @@ from ckptmgr import CheckpointManager, ConfigError, CorruptCheckpointError, Stat
 from ckptmgr.codec.checksum import checksum
 from ckptmgr.codec.layout import parse_staging_name, parse_step_name
 from ckptmgr.codec.manifest import ManifestError, decode_manifest
-from ckptmgr.codec.metadata import MAGIC
+from ckptmgr.codec.metadata_columnar import MAGIC
 from ckptmgr.codec.values import decode_value, encode_value
 from ckptmgr.dcp.metadata import decode_metadata, encode_metadata
 
