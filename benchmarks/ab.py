@@ -16,7 +16,8 @@ A variant is a string of whitespace-separated tokens:
   bench.py's own (``benchmarks/bench.py``); reads are cold (its ``PageCache``);
 - settings, applied only while that variant's trial runs: ``NAME=VALUE`` sets an environment
   variable; ``package.module.ATTR=VALUE`` sets a module attribute (the value read as a Python
-  literal when it is one, else kept as a string), e.g. ``ckptmgr.storage.local.DIRECT_IO=False``;
+  literal when it is one, else kept as a string), e.g. ``ckptmgr.storage.local.DIRECT_IO=False``
+  (a class attribute too: ``ckptmgr.storage.local._DirectWriter.write_unbuffered=None``);
 - or the whole variant ``cmd:<shell command>``: the command's wall time (settings as environment
   variables go before ``cmd:``), run with the scratch directory as ``$AB_DIR``.
 
@@ -103,6 +104,26 @@ def parse_variant(text: str, default_op: str) -> Variant:
     return Variant(text, op or default_op, env, attrs)
 
 
+def _owner(name: str, label: str) -> tuple[Any, str]:
+    """The object holding the attribute ``name`` names (``pkg.module.ATTR`` or
+    ``pkg.module.Class.ATTR``: the longest importable prefix, then attributes) and its name."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for p in parts[cut:-1]:
+                obj = getattr(obj, p)
+        except AttributeError:
+            break
+        if hasattr(obj, parts[-1]):
+            return obj, parts[-1]
+        break
+    raise SystemExit(f"variant {label!r}: no attribute {name!r}")
+
+
 @contextlib.contextmanager
 def applied(v: Variant) -> Iterator[None]:
     """``v``'s settings in force for the block, then the previous values back."""
@@ -111,12 +132,9 @@ def applied(v: Variant) -> Iterator[None]:
     try:
         os.environ.update(v.env)
         for name, value in v.attrs.items():
-            mod_name, attr = name.rsplit(".", 1)
-            mod = importlib.import_module(mod_name)
-            if not hasattr(mod, attr):
-                raise SystemExit(f"variant {v.label!r}: {mod_name} has no attribute {attr!r}")
-            old_attrs.append((mod, attr, getattr(mod, attr)))
-            setattr(mod, attr, value)
+            owner, attr = _owner(name, v.label)
+            old_attrs.append((owner, attr, getattr(owner, attr)))
+            setattr(owner, attr, value)
         yield
     finally:
         for mod, attr, value in reversed(old_attrs):
