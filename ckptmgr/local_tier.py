@@ -50,10 +50,10 @@ from ckptmgr.dcp.checkpoint import (
     SavePlanners,
     load_step,
     prepare_restore,
-    read_step_metadata,
+    prime_unprimed_optimizers,
+    read_restore_source,
     write_step,
 )
-from ckptmgr.dcp.optim import prime_optimizer
 from ckptmgr.dcp.state import flatten_state
 from ckptmgr.errors import (
     CkptmgrError,
@@ -439,18 +439,14 @@ class LocalTier:
               trusted: bool, verify: bool) -> int:
         assert self.store is not None
         store = self.store
-        m = store.read_manifest(step)
-        saved = read_step_metadata(store, step, m, verify=verify).state_dict_metadata
-        for key, value in state_dict.items():  # an in-place load fills only state that exists
-            if isinstance(value, torch.optim.Optimizer) and not value.state and any(
-                    k.startswith(f"{key}.state.") for k in saved):
-                prime_optimizer(value)
+        source = read_restore_source(store, step, verify=verify)
+        prime_unprimed_optimizers(state_dict, source.metadata)  # before flattening the state
         with torch.no_grad():
-            fs = flatten_state(state_dict, saved=saved.keys())
+            fs = flatten_state(state_dict, saved=source.metadata.state_dict_metadata.keys())
             view, _ = local_view(fs.flat)
-            prepared = prepare_restore(store, step, view, planner="dcp",
+            prepared = prepare_restore(source, step, view, planner="dcp",
                                        allow_partial=allow_partial, trusted=trusted,
-                                       verify=verify, world_size=1)
+                                       world_size=1)
             nbytes = load_step(prepared, store, step, rank=0, world_size=1, group=None,
                                verify=verify, trusted=trusted)
         tensors = set(fs.tensor_keys())

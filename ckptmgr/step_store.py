@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -70,6 +71,7 @@ from ckptmgr.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
     LeaseError,
+    RestoreError,
     StorageError,
     UnsafeCheckpointError,
 )
@@ -83,6 +85,7 @@ __all__ = [
     "DCP_METADATA_NAME",
     "CommitPlan",
     "RootScan",
+    "StepFiles",
     "StepStore",
     "deleted_while_read",
     "is_attempt_file_name",
@@ -149,6 +152,22 @@ class RootScan:
     uncommitted: list[str]
     staging: list[str]
     symlinks: list[str]
+
+
+@dataclass(frozen=True)
+class StepFiles:
+    """What a restore reads of a committed step besides its data (:meth:`StepStore.read_step`).
+
+    Attributes:
+        manifest: the validated manifest.
+        metadata: the decoded DCP metadata (torch-free).
+        sizes: the step directory's listing, file name -> bytes (read once: the data files are
+            checked against it, not listed again).
+    """
+
+    manifest: Manifest
+    metadata: MetadataDoc
+    sizes: dict[str, int]
 
 
 def unfenced() -> None:
@@ -458,6 +477,23 @@ class StepStore:
         except ManifestError as e:
             raise CorruptCheckpointError(f"step {step}: {name}: {e}", step=step,
                                          path=name) from e
+
+    def read_step(self, step: int, *, verify: bool = True) -> StepFiles:
+        """Read and check committed ``step``'s manifest and metadata, and list its files once:
+        everything a restore reads besides the data (one rank reads it; torch-free).
+
+        Raises:
+            CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError: as
+                :meth:`read_manifest_bytes` and :meth:`read_metadata`.
+            RestoreError: a step written on a host of the other byte order.
+        """
+        manifest = self.read_manifest(step)
+        if manifest.byteorder != sys.byteorder:
+            raise RestoreError(f"step {step} was written on a {manifest.byteorder}-endian host; "
+                               f"this host is {sys.byteorder}-endian", step=step)
+        sdir = step_dir_name(step)
+        return StepFiles(manifest, self.read_metadata(sdir, manifest, verify=verify),
+                         self.storage.list_files(sdir))
 
     def current_attempt(self, step: int) -> str | None:
         """The attempt id of ``step``'s manifest now, None if absent or unreadable."""

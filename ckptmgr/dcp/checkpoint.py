@@ -18,7 +18,6 @@ RestoreError naming the ranks that did not arrive and the phase.
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -33,9 +32,10 @@ from ckptmgr.codec.manifest import Manifest
 from ckptmgr.codec.metadata import ItemLocation
 from ckptmgr.codec.values import is_representable
 from ckptmgr.dcp.compat import dcp_load, dcp_save
+from ckptmgr.dcp.metadata import metadata_from_doc
 from ckptmgr.dcp.optim import prime_optimizer
 from ckptmgr.dcp.planner import CkptLoadPlanner, CkptSavePlanner
-from ckptmgr.dcp.reader import CkptStorageReader, read_metadata_file
+from ckptmgr.dcp.reader import CkptStorageReader
 from ckptmgr.dcp.report import CompatibilityReport, compatibility_report, describe_mesh
 from ckptmgr.dcp.shared_reads import plan_shared_reads, share_reads
 from ckptmgr.dcp.spmd import SpmdLoadPlanner, SpmdSavePlanner, has_sharded
@@ -69,7 +69,6 @@ __all__ = [
     "prime_unprimed_optimizers",
     "read_restore_source",
     "raise_load_failure",
-    "read_step_metadata",
     "write_step",
 ]
 
@@ -221,18 +220,6 @@ def write_step(flat: dict[str, Any], store: StepStore, plan: CommitPlan, *, rank
     return WriteOutcome(writer.manifest, writer.bytes_written)
 
 
-def read_step_metadata(store: StepStore, step: int, manifest: Manifest, *,
-                       verify: bool = True) -> Metadata:
-    """The DCP metadata of committed ``step``: size-checked before reading, checksum-checked
-    after, decoded from JSON (never pickle).
-
-    Raises:
-        CorruptCheckpointError, UnsafeCheckpointError: as :meth:`StepStore.read_file`, or
-            metadata that does not decode (names the file).
-    """
-    return read_metadata_file(store, step_dir_name(step), manifest, verify=verify)
-
-
 def prime_unprimed_optimizers(state_dict: Mapping[str, Any], metadata: Metadata) -> None:
     """Prime every top-level optimizer object without state whose checkpoint entry has state:
     an in-place load can only fill state that exists."""
@@ -277,19 +264,17 @@ class RestoreSource:
 
 
 def read_restore_source(store: StepStore, step: int, *, verify: bool) -> RestoreSource:
-    """(coordinator) Read and check ``step``'s manifest and metadata; list its files once.
+    """(coordinator) ``step``'s manifest and metadata, read and checked once
+    (:meth:`StepStore.read_step`), with the metadata made DCP's.
 
     Raises:
         RestoreError: a checkpoint of the other byte order.
         CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError: as
-            :meth:`StepStore.read_manifest` and :func:`read_step_metadata`.
+            :meth:`StepStore.read_step`, or a dtype this torch does not have.
     """
-    manifest = store.read_manifest(step)
-    if manifest.byteorder != sys.byteorder:
-        raise RestoreError(f"step {step} was written on a {manifest.byteorder}-endian host; "
-                           f"this host is {sys.byteorder}-endian", step=step)
-    metadata = read_step_metadata(store, step, manifest, verify=verify)
-    return RestoreSource(manifest, metadata, store.storage.list_files(step_dir_name(step)))
+    files = store.read_step(step, verify=verify)
+    return RestoreSource(files.manifest, metadata_from_doc(files.metadata, files.manifest),
+                         files.sizes)
 
 
 @dataclass
@@ -306,20 +291,17 @@ class PreparedRestore:
     sizes: dict[str, int] | None = None
 
 
-def prepare_restore(source: RestoreSource | StepStore, step: int, state_dict: Mapping[str, Any],
-                    *, planner: str, allow_partial: bool, trusted: bool, world_size: int,
-                    verify: bool = True) -> PreparedRestore:
+def prepare_restore(source: RestoreSource, step: int, state_dict: Mapping[str, Any], *,
+                    planner: str, allow_partial: bool, trusted: bool,
+                    world_size: int) -> PreparedRestore:
     """Compare ``source`` (the coordinator's :func:`read_restore_source`, broadcast) with the
     target: this rank's own compatibility check, no I/O (every rank; the caller agrees on the
-    outcome). Given a :class:`StepStore` instead, this rank reads the source itself.
+    outcome).
 
     Raises:
         StateMismatchError: missing keys (unless ``allow_partial``), shape or dtype mismatches.
         UnsafeCheckpointError: requested values stored with pickle and not ``trusted``.
-        As :func:`read_restore_source`, when given a store.
     """
-    if isinstance(source, StepStore):
-        source = read_restore_source(source, step, verify=verify)
     manifest, metadata = source.manifest, source.metadata
     prime_unprimed_optimizers(state_dict, metadata)
     fs, spmd = _flatten(state_dict, planner, metadata.state_dict_metadata.keys())

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptmgr.codec.chunks import Boxes, BoxList, BoxTable, GridBoxes
-from ckptmgr.codec.manifest import ManifestError
+from ckptmgr.codec.manifest import Manifest, ManifestError
 from ckptmgr.codec.metadata import (
     ColumnarStorage,
     ItemLocation,
@@ -38,11 +38,12 @@ from ckptmgr.codec.metadata import (
     TensorEntry,
 )
 from ckptmgr.codec.metadata_file import VERSION, parse_metadata, serialize_metadata
+from ckptmgr.errors import CorruptCheckpointError
 
 __all__ = [
     "ChunkTable", "ColumnarLocations", "GridChunks", "decode_metadata", "dtype_name",
-    "encode_metadata", "find_chunk", "from_doc", "overlapping_chunks", "stored_volume", "to_doc",
-    "torch_dtype",
+    "encode_metadata", "find_chunk", "from_doc", "metadata_from_doc", "overlapping_chunks",
+    "stored_volume", "to_doc", "torch_dtype",
 ]
 
 
@@ -204,6 +205,19 @@ def from_doc(doc: MetadataDoc) -> Metadata:
         storage_data = None
     return Metadata(state_dict_metadata=sdm, planner_data=doc.planner_data,
                     storage_data=storage_data, version=doc.dcp_version)
+
+
+def metadata_from_doc(doc: MetadataDoc, manifest: Manifest) -> Metadata:
+    """DCP ``Metadata`` for the decoded metadata file of ``manifest``'s checkpoint.
+
+    Raises:
+        CorruptCheckpointError: a dtype this torch does not have (names the file).
+    """
+    step, name = manifest.step, manifest.metadata_file
+    try:
+        return from_doc(doc)
+    except ManifestError as e:
+        raise CorruptCheckpointError(f"step {step}: {name}: {e}", step=step, path=name) from e
 
 
 def to_doc(md: Metadata) -> MetadataDoc:

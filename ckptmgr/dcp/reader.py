@@ -40,13 +40,13 @@ from torch.futures import Future
 
 from ckptmgr.codec.checksum import Hasher, checksum
 from ckptmgr.codec.layout import join
-from ckptmgr.codec.manifest import Manifest, ManifestError
-from ckptmgr.codec.metadata import ItemLocation, MetadataDoc
+from ckptmgr.codec.manifest import Manifest
+from ckptmgr.codec.metadata import ItemLocation
 from ckptmgr.codec.values import MAX_VALUE_BYTES, decode_value
 from ckptmgr.config import check_flag
 from ckptmgr.dcp._args import check_options, check_url
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
-from ckptmgr.dcp.metadata import find_chunk, from_doc
+from ckptmgr.dcp.metadata import find_chunk, metadata_from_doc
 from ckptmgr.dcp.planner import CkptLoadPlanner
 from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 from ckptmgr.errors import (
@@ -58,7 +58,7 @@ from ckptmgr.errors import (
 from ckptmgr.step_store import StepStore
 from ckptmgr.storage import RangeReads, Storage, is_url_supported, open_storage, redact_url
 
-__all__ = ["DEFAULT_NUM_THREADS", "CkptStorageReader", "metadata_from_doc", "read_metadata_file"]
+__all__ = ["DEFAULT_NUM_THREADS", "CkptStorageReader"]
 
 DEFAULT_NUM_THREADS = 1
 """Read streams per rank when the caller does not choose. One: in 7 interleaved cold restores of
@@ -109,32 +109,6 @@ class _RangeReader:
     def close(self) -> None:
         if self._native is not None:
             self._native.close()
-
-
-def read_metadata_file(store: StepStore, dirname: str, manifest: Manifest, *,
-                       verify: bool = True) -> Metadata:
-    """The DCP metadata of the committed checkpoint in ``dirname`` (a step directory, or "" for
-    the storage root itself): size-checked before reading, checksum-checked after (``verify``),
-    decoded from JSON (never pickle) by :meth:`StepStore.read_metadata`, then made DCP's.
-
-    Raises:
-        CorruptCheckpointError, UnsafeCheckpointError: as :meth:`StepStore.read_metadata`, or
-            a dtype this torch does not have (names the file).
-    """
-    return metadata_from_doc(store.read_metadata(dirname, manifest, verify=verify), manifest)
-
-
-def metadata_from_doc(doc: MetadataDoc, manifest: Manifest) -> Metadata:
-    """DCP ``Metadata`` for the decoded metadata file of ``manifest``'s checkpoint.
-
-    Raises:
-        CorruptCheckpointError: a dtype this torch does not have (names the file).
-    """
-    step, name = manifest.step, manifest.metadata_file
-    try:
-        return from_doc(doc)
-    except ManifestError as e:
-        raise CorruptCheckpointError(f"step {step}: {name}: {e}", step=step, path=name) from e
 
 
 class CkptStorageReader(StorageReader):
@@ -285,7 +259,8 @@ class CkptStorageReader(StorageReader):
         if manifest.byteorder != sys.byteorder:
             raise RestoreError(f"{self.url} was written on a {manifest.byteorder}-endian host; "
                                f"this host is {sys.byteorder}-endian", step=manifest.step)
-        self.metadata = read_metadata_file(store, "", manifest, verify=self.verify)
+        self.metadata = metadata_from_doc(store.read_metadata("", manifest, verify=self.verify),
+                                          manifest)
         self.manifest = manifest
         self._loaded = True
         return self.metadata

@@ -21,7 +21,7 @@ from ckptmgr.codec.checksum import checksum
 from ckptmgr.codec.layout import join, step_dir_name
 from ckptmgr.codec.manifest import Manifest
 from ckptmgr.codec.metadata import ItemLocation, MetadataDoc
-from ckptmgr.dcp.reader import metadata_from_doc
+from ckptmgr.dcp.metadata import metadata_from_doc
 from ckptmgr.dcp.shards import coverage_problem
 from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 from ckptmgr.errors import CkptmgrError, ConfigError, CorruptCheckpointError, StorageError

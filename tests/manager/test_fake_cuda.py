@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ckptmgr._async import Stager
-from ckptmgr.dcp.checkpoint import read_step_metadata, write_step
+from ckptmgr.dcp.checkpoint import read_restore_source, write_step
 from ckptmgr.dcp.planner import CkptSavePlanner, item_bytes
 from ckptmgr.dcp.shards import StagedDTensor, coverage_problem
 from ckptmgr.errors import CorruptCheckpointError
@@ -252,7 +252,7 @@ def test_writing_and_commit_allocate_nothing_on_the_device(
     assert outcome.manifest is not None and store.committed_steps() == [5]
     # Rank 3's shard alone (rows 48-63): a reader refuses the step, whose chunks leave a gap.
     with pytest.raises(CorruptCheckpointError, match=r"no chunk holds \[0, 48\) of dimension 0"):
-        read_step_metadata(store, 5, outcome.manifest)
+        read_restore_source(store, 5, verify=True)
 
 
 def test_the_audit_catches_a_device_copy(meshes: dict[str, DeviceMesh]) -> None:
