@@ -11,7 +11,7 @@ training job's data-set cache matters more than a checkpoint's). Two byte paths:
 - buffered writes with early writeback: the kernel is asked to start writing each chunk as soon
   as it is written (``sync_file_range``), at most a bounded window is dirty, and pages already on
   disk are dropped (``posix_fadvise(DONTNEED)``), so the disk is busy from the first chunk
-  instead of only at the final fsync. The only path where ``O_DIRECT`` is refused (tmpfs, macOS).
+  instead of only at the final fsync. Always, where ``O_DIRECT`` is refused (tmpfs, macOS).
 
 Which of the two is faster depends on the disk, and on a virtual disk on the hour (the same
 disk's direct and streaming floors swapped places between runs: docs/performance.md), so it is
