@@ -25,8 +25,9 @@ Call order (DCP's, per save):
    attempts it replaced (our exact file names only), or, after a failed commit, its own.
 
 CPU share: by default one stream per rank, so a background save uses at most one core for its
-checksums (the local storage writes with direct I/O from I/O threads that mostly sleep in the
-kernel, from the tensors' own memory), and no kernel time on page-cache writeback. Stream
+checksums (where the local storage writes with direct I/O, its choice by measurement, I/O
+threads that mostly sleep in the kernel write from the tensors' own memory, and no kernel time
+goes to page-cache writeback). Stream
 threads are ckptmgr's own and can run at a raised nice value (``io_nice``); the default is 0
 because a reniced writer, starved by a busy training loop, took 5x longer and cost the loop as
 much compute (docs/performance.md). The calling thread is never reniced.
