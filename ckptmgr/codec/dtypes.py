@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-__all__ = ["DTYPE_ITEMSIZE"]
+__all__ = ["DTYPE_CANONICAL", "DTYPE_ITEMSIZE"]
 
 DTYPE_ITEMSIZE: Mapping[str, int] = {
     "bfloat16": 2, "bit": 1, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1,
@@ -20,3 +20,12 @@ DTYPE_ITEMSIZE: Mapping[str, int] = {
 """Bytes per element of every dtype the format names, by torch's name for it (``torch.<name>``,
 aliases included). A name outside this table is an unknown dtype; the table holds every dtype of
 the torch this ckptmgr is tested with (a test compares them)."""
+
+DTYPE_CANONICAL: Mapping[str, str] = {
+    "bit": "uint1", "cdouble": "complex128", "cfloat": "complex64", "chalf": "complex32",
+    "double": "float64", "float": "float32", "half": "float16", "int": "int32", "long": "int64",
+    "short": "int16",
+}
+"""Torch's own name (``str(torch.<alias>)``) of each alias in :data:`DTYPE_ITEMSIZE`: a decoded
+dtype is named as torch names it, so ``ckptmgr inspect`` shows ``float32`` for a file that says
+``float``, as it did when it read dtypes through torch (a test compares them)."""

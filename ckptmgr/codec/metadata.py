@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptmgr.codec.chunks import INT64_END, Boxes, BoxTable, Column, GridBoxes
-from ckptmgr.codec.dtypes import DTYPE_ITEMSIZE
+from ckptmgr.codec.dtypes import DTYPE_CANONICAL, DTYPE_ITEMSIZE
 from ckptmgr.codec.manifest import ManifestError, check_json_depth
 from ckptmgr.codec.values import NotRepresentableError, decode_tagged, encode_tagged
 
@@ -182,12 +182,13 @@ class MetadataDoc:
 
 
 def read_dtype(name: Any) -> str:
-    """A dtype name of the format (:data:`~ckptmgr.codec.dtypes.DTYPE_ITEMSIZE`)."""
+    """A dtype name of the format (:data:`~ckptmgr.codec.dtypes.DTYPE_ITEMSIZE`), as torch
+    names it (an alias such as ``float`` becomes ``float32``)."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ManifestError(f"bad dtype {name!r}")
     if name not in DTYPE_ITEMSIZE:
         raise ManifestError(f"unknown dtype {name!r}")
-    return name
+    return DTYPE_CANONICAL.get(name, name)
 
 
 def read_ints(v: Any, what: str) -> list[int]:

@@ -89,3 +89,30 @@ def test_lines_printed_during_a_progress_bar_clear_it_first(
     said = [ln for ln in screen if "copying step 7" in ln]
     assert said == ["copying step 7 (1.0 KiB)"], screen
     assert any(ln.startswith("copy [") and "100%" in ln for ln in screen), screen
+
+
+def test_inspect_names_an_aliased_dtype_as_torch_does(tmp_path: Path) -> None:
+    # A metadata file may name a dtype by torch's alias ("float", "half"); inspect showed
+    # torch's own name when it read dtypes through torch, and still does without it.
+    from ckptmgr.codec.checksum import checksum
+    from ckptmgr.codec.metadata_file import parse_metadata, serialize_metadata
+    from ckptmgr.tools import inspect_step
+
+    root = str(tmp_path / "run")
+    with ckptmgr.CheckpointManager(root, 1, save_on_close=False) as mgr:
+        mgr.save(5, {"w": torch.ones(3), "h": torch.ones(2, dtype=torch.float16)})
+    step_dir = tmp_path / "run" / "5"
+    (meta,) = step_dir.glob("metadata-*")
+    doc = json.loads(serialize_metadata(parse_metadata(meta.read_bytes()), version=1))
+    doc["tensors"]["w"]["dtype"], doc["tensors"]["h"]["dtype"] = "float", "half"
+    data = json.dumps(doc).encode()
+    meta.write_bytes(data)
+    manifest = json.loads((step_dir / "commit.json").read_text())
+    for entry in manifest["files"]:
+        if entry["path"] == meta.name:
+            entry["size"], entry["checksum"] = len(data), checksum(data)
+    manifest["total_bytes"] = sum(e["size"] for e in manifest["files"])
+    manifest["bytes_per_rank"] = {"0": manifest["total_bytes"]}
+    (step_dir / "commit.json").write_text(json.dumps(manifest))
+    details = inspect_step(root, 5)
+    assert {t.name: t.dtype for t in details.tensors} == {"h": "float16", "w": "float32"}

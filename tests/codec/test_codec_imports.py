@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ckptmgr.codec.dtypes import DTYPE_ITEMSIZE
+from ckptmgr.codec.dtypes import DTYPE_CANONICAL, DTYPE_ITEMSIZE
 
 _MODULES = ("ckptmgr.codec", "ckptmgr.codec.checksum", "ckptmgr.codec.chunks",
             "ckptmgr.codec.dtypes", "ckptmgr.codec.layout", "ckptmgr.codec.manifest",
@@ -43,3 +43,8 @@ def test_codec_import_loads_neither_torch_nor_fsspec() -> None:
 def test_dtype_table_covers_this_torch() -> None:
     names = {n: getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n), torch.dtype)}
     assert {n: dt.itemsize for n, dt in names.items()} == dict(DTYPE_ITEMSIZE)
+
+
+def test_dtype_aliases_are_named_as_this_torch_names_them() -> None:
+    named = {n: str(getattr(torch, n)).removeprefix("torch.") for n in DTYPE_ITEMSIZE}
+    assert {n: c for n, c in named.items() if c != n} == dict(DTYPE_CANONICAL)
