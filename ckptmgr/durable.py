@@ -175,10 +175,11 @@ class DurableTier:
             self.lease.check()
 
     def release(self) -> None:
-        """Release the writer lease (idempotent)."""
+        """Release the writer lease (idempotent). The released lease stays this tier's fence:
+        its check raises from now on, so a save still running (close() interrupted while it
+        waited) commits and removes nothing in a root another job may write by then."""
         if self.lease is not None:
             self.lease.release()
-            self.lease = None
 
     # ------------------------------------------------------------------------------ the view
 

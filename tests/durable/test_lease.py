@@ -241,3 +241,44 @@ def test_a_dead_pid_is_provably_dead_only_in_our_pid_namespace(local_root: str,
     else:
         with pytest.raises(LeaseError, match="expires in"):
             CheckpointManager(local_root, save_interval=1)
+
+
+def test_a_save_left_running_by_an_interrupted_close_removes_nothing(
+        local_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # close() interrupted while it waits for the save in flight (Ctrl-C) releases the lease;
+    # the save goes on in its thread, and the next job may write the root by then: retention
+    # of that save must be fenced by the released lease, not run unchecked.
+    import contextlib
+    import threading
+
+    from ckptmgr.step_store import StepStore
+
+    mgr = CheckpointManager(local_root, 1, max_to_keep=1)
+    mgr.save(1, state(1))
+    entered, gate = threading.Event(), threading.Event()
+    commit = StepStore.commit
+
+    def gated_commit(self: StepStore, *args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        gate.wait(60)
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepStore, "commit", gated_commit)
+    mgr.save_async(2, state(2))
+    assert entered.wait(60)
+    join = mgr.join
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mgr, "join", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.close()
+    monkeypatch.setattr(StepStore, "commit", commit)
+    with CheckpointManager(local_root, 1, save_on_close=False) as nxt:  # the next job
+        assert nxt.all_steps() == [1]
+        gate.set()
+        with contextlib.suppress(CkptmgrError):
+            join()  # the old save ends (its retention stops at the released lease)
+        assert os.path.isdir(os.path.join(local_root, "1")), "the next job's step was removed"
+        assert restored_version(nxt, 1) == 1
