@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -464,6 +464,17 @@ def _start_manager_save(mgr: Any, step: int, state: dict[str, torch.Tensor]
 
 
 @dataclass
+def settle(paths: Iterable[str]) -> None:
+    """Delete ``paths`` (files or directories) and commit the file system's journal: on a disk
+    mounted with ``discard`` the next method's fsync would otherwise pay for discarding them."""
+    for p in paths:
+        if os.path.isdir(p):
+            shutil.rmtree(p)
+        elif os.path.exists(p):
+            os.unlink(p)
+    os.sync()
+
+
 class Measure:
     """One measured quantity: its samples (seconds), kind and description."""
 
@@ -543,19 +554,9 @@ class Bench:
     def _path(self, name: str) -> str:
         return os.path.join(self.scratch, name)
 
-    def _clear(self, *names: str) -> None:
-        for n in names:
-            p = self._path(n)
-            if os.path.isdir(p):
-                shutil.rmtree(p)
-            elif os.path.exists(p):
-                os.unlink(p)
-
     def _settle(self, *names: str) -> None:
-        """Delete ``names`` and commit the file system's journal (untimed): on a disk mounted
-        with ``discard`` the next method's fsync would otherwise pay for discarding them."""
-        self._clear(*names)
-        os.sync()
+        """Delete ``names`` (untimed; :func:`settle`)."""
+        settle(self._path(n) for n in names)
 
     def _cold(self, *names: str) -> None:
         self.residency.append(self.cache.drop([self._path(n) for n in names]))

@@ -242,14 +242,8 @@ class GpuBench:
         return os.path.join(self.scratch, name)
 
     def settle(self, *names: str) -> None:
-        """Delete ``names`` and commit the journal (untimed; see bench.py's ``_settle``)."""
-        for n in names:
-            p = self.path(n)
-            if os.path.isdir(p):
-                shutil.rmtree(p, ignore_errors=True)
-            elif os.path.exists(p):
-                os.unlink(p)
-        os.sync()
+        """Delete ``names`` (untimed; bench.py's :func:`settle`)."""
+        B.settle(self.path(n) for n in names)
 
     def cold(self, *names: str) -> None:
         self.residency.append(self.cache.drop([self.path(n) for n in names]))
