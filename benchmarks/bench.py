@@ -463,7 +463,6 @@ def _start_manager_save(mgr: Any, step: int, state: dict[str, torch.Tensor]
 # ----------------------------------------------------------------------------------- the runner
 
 
-@dataclass
 def settle(paths: Iterable[str]) -> None:
     """Delete ``paths`` (files or directories) and commit the file system's journal: on a disk
     mounted with ``discard`` the next method's fsync would otherwise pay for discarding them."""
@@ -475,6 +474,7 @@ def settle(paths: Iterable[str]) -> None:
     os.sync()
 
 
+@dataclass
 class Measure:
     """One measured quantity: its samples (seconds), kind and description."""
 
