@@ -155,10 +155,13 @@ class SavePath:
             AsyncSaveError: the background save failed; its original error is ``__cause__``.
         """
         err = self._queue.wait()
-        self._inflight_step = None
+        inflight, self._inflight_step = self._inflight_step, None
         if err is not None:
-            raise AsyncSaveError(f"the background save of step {getattr(err, 'step', None)} "
-                                 f"failed: {err}", step=getattr(err, "step", None),
+            # An error without a step of its own (a LeaseError of the fence) names the step in
+            # flight.
+            step = getattr(err, "step", None)
+            step = inflight if step is None else step
+            raise AsyncSaveError(f"the background save of step {step} failed: {err}", step=step,
                                  failures=getattr(err, "failures", None) or {}) from err
 
     def wait_until_finished(self) -> None:

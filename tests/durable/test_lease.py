@@ -282,3 +282,33 @@ def test_a_save_left_running_by_an_interrupted_close_removes_nothing(
             join()  # the old save ends (its retention stops at the released lease)
         assert os.path.isdir(os.path.join(local_root, "1")), "the next job's step was removed"
         assert restored_version(nxt, 1) == 1
+
+
+def test_a_background_save_fenced_by_a_take_over_names_its_step(
+        local_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from ckptmgr.errors import AsyncSaveError
+    from ckptmgr.step_store import StepStore
+
+    mgr = CheckpointManager(local_root, 1, save_on_close=False)
+    mgr.save(1, state(1))
+    entered, gate = threading.Event(), threading.Event()
+    commit = StepStore.commit
+
+    def gated_commit(self: StepStore, *args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        gate.wait(60)
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepStore, "commit", gated_commit)
+    mgr.save_async(2, state(2))
+    assert entered.wait(60)
+    monkeypatch.setattr(StepStore, "commit", commit)
+    with CheckpointManager(local_root, 1, take_over=True, save_on_close=False) as nxt:
+        gate.set()
+        with pytest.raises(AsyncSaveError, match="background save of step 2 failed") as info:
+            mgr.join()
+        assert info.value.step == 2 and isinstance(info.value.__cause__, LeaseError)
+        assert nxt.all_steps() == [1]
+    mgr.close()
