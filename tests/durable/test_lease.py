@@ -243,18 +243,14 @@ def test_a_dead_pid_is_provably_dead_only_in_our_pid_namespace(local_root: str,
             CheckpointManager(local_root, save_interval=1)
 
 
-def test_a_save_left_running_by_an_interrupted_close_removes_nothing(
-        local_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # close() interrupted while it waits for the save in flight (Ctrl-C) releases the lease;
-    # the save goes on in its thread, and the next job may write the root by then: retention
-    # of that save must be fenced by the released lease, not run unchecked.
-    import contextlib
+def _save_async_held_at_commit(mgr: CheckpointManager, monkeypatch: pytest.MonkeyPatch,
+                               ) -> tuple[Any, Any]:
+    """Start ``save_async`` of step 2 and hold it at its commit until the returned gate is set;
+    also returns the real ``StepStore.commit`` (to put back before another manager commits)."""
     import threading
 
     from ckptmgr.step_store import StepStore
 
-    mgr = CheckpointManager(local_root, 1, max_to_keep=1)
-    mgr.save(1, state(1))
     entered, gate = threading.Event(), threading.Event()
     commit = StepStore.commit
 
@@ -266,6 +262,19 @@ def test_a_save_left_running_by_an_interrupted_close_removes_nothing(
     monkeypatch.setattr(StepStore, "commit", gated_commit)
     mgr.save_async(2, state(2))
     assert entered.wait(60)
+    return gate, commit
+
+
+def test_a_save_left_running_by_an_interrupted_close_removes_nothing(
+        local_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # close() interrupted while it waits for the save in flight (Ctrl-C) releases the lease;
+    # the save goes on in its thread, and the next job may write the root by then: retention
+    # of that save must be fenced by the released lease, not run unchecked.
+    import contextlib
+
+    mgr = CheckpointManager(local_root, 1, max_to_keep=1)
+    mgr.save(1, state(1))
+    gate, commit = _save_async_held_at_commit(mgr, monkeypatch)
     join = mgr.join
 
     def interrupted() -> None:
@@ -274,7 +283,7 @@ def test_a_save_left_running_by_an_interrupted_close_removes_nothing(
     monkeypatch.setattr(mgr, "join", interrupted)
     with pytest.raises(KeyboardInterrupt):
         mgr.close()
-    monkeypatch.setattr(StepStore, "commit", commit)
+    monkeypatch.setattr("ckptmgr.step_store.StepStore.commit", commit)
     with CheckpointManager(local_root, 1, save_on_close=False) as nxt:  # the next job
         assert nxt.all_steps() == [1]
         gate.set()
@@ -286,25 +295,12 @@ def test_a_save_left_running_by_an_interrupted_close_removes_nothing(
 
 def test_a_background_save_fenced_by_a_take_over_names_its_step(
         local_root: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import threading
-
     from ckptmgr.errors import AsyncSaveError
-    from ckptmgr.step_store import StepStore
 
     mgr = CheckpointManager(local_root, 1, save_on_close=False)
     mgr.save(1, state(1))
-    entered, gate = threading.Event(), threading.Event()
-    commit = StepStore.commit
-
-    def gated_commit(self: StepStore, *args: Any, **kwargs: Any) -> Any:
-        entered.set()
-        gate.wait(60)
-        return commit(self, *args, **kwargs)
-
-    monkeypatch.setattr(StepStore, "commit", gated_commit)
-    mgr.save_async(2, state(2))
-    assert entered.wait(60)
-    monkeypatch.setattr(StepStore, "commit", commit)
+    gate, commit = _save_async_held_at_commit(mgr, monkeypatch)
+    monkeypatch.setattr("ckptmgr.step_store.StepStore.commit", commit)
     with CheckpointManager(local_root, 1, take_over=True, save_on_close=False) as nxt:
         gate.set()
         with pytest.raises(AsyncSaveError, match="background save of step 2 failed") as info:
