@@ -158,7 +158,6 @@ class CkptStorageReader(StorageReader):
         self.verify = True
         self.num_threads = DEFAULT_NUM_THREADS
         self.bytes_read = 0
-        self._devices: set[torch.device] = set()  # CUDA devices with copies queued by read_data
         if self._url is not None:
             self.storage = open_storage(self._url, self._options, writable=False)
 
@@ -343,27 +342,20 @@ class CkptStorageReader(StorageReader):
         order = sorted(groups, key=lambda i: (located[i].file, located[i].offset))
         window: list[_TensorRead] = []
         buffered = 0
-        self._devices = set()
-        try:
-            for idx in order:
-                loc, items = located[idx], groups[idx]
-                if items[0].type == LoadItemType.BYTE_IO:
-                    self._read_value(loc, items, planner)
-                    continue
-                read = self._plan_tensor(idx, loc, items, planner)
-                if not read.direct:
-                    if buffered + loc.length > _MAX_BUFFERED and window:
-                        self._run_window(window, planner)
-                        window, buffered = [], 0
-                    buffered += loc.length
-                window.append(read)
-            if window:
-                self._run_window(window, planner)
-        finally:
-            # Restored CUDA tensors have landed when read_data returns (also when it failed:
-            # no copy is left running into a tensor the caller goes on using).
-            for device in self._devices:
-                torch.cuda.current_stream(device).synchronize()
+        for idx in order:
+            loc, items = located[idx], groups[idx]
+            if items[0].type == LoadItemType.BYTE_IO:
+                self._read_value(loc, items, planner)
+                continue
+            read = self._plan_tensor(idx, loc, items, planner)
+            if not read.direct:
+                if buffered + loc.length > _MAX_BUFFERED and window:
+                    self._run_window(window, planner)
+                    window, buffered = [], 0
+                buffered += loc.length
+            window.append(read)
+        if window:
+            self._run_window(window, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -387,17 +379,13 @@ class CkptStorageReader(StorageReader):
         if nbytes != loc.length:
             raise self._corrupt(f"{fqn!r} needs {nbytes} bytes, the metadata says {loc.length}",
                                 loc.file)
-        target = planner.resolve_tensor(items[0]).detach()
-        whole = len(items) == 1 and list(items[0].storage_offsets) == [0] * len(chunk.sizes) and (
-            list(items[0].lengths) == list(chunk.sizes))
-        if (whole and target.device.type == "cpu" and target.dtype == dtype
-                and target.is_contiguous() and target.numel() == numel):
-            return _TensorRead(idx, loc, items, target, direct=True)
-        # A CUDA destination is filled from pinned memory by an asynchronous copy (committed
-        # below), which overlaps the disk reads of the next window.
-        pin = target.device.type == "cuda" and torch.cuda.is_available()
-        return _TensorRead(idx, loc, items,
-                           torch.empty(tuple(chunk.sizes), dtype=dtype, pin_memory=pin),
+        if len(items) == 1 and list(items[0].storage_offsets) == [0] * len(chunk.sizes) and (
+                list(items[0].lengths) == list(chunk.sizes)):
+            target = planner.resolve_tensor(items[0]).detach()
+            if (target.device.type == "cpu" and target.dtype == dtype
+                    and target.is_contiguous() and target.numel() == numel):
+                return _TensorRead(idx, loc, items, target, direct=True)
+        return _TensorRead(idx, loc, items, torch.empty(tuple(chunk.sizes), dtype=dtype),
                            direct=False)
 
     def _run_window(self, reads: list[_TensorRead], planner: LoadPlanner) -> None:
@@ -421,13 +409,7 @@ class CkptStorageReader(StorageReader):
                         zip(ri.storage_offsets, ri.lengths, strict=True)):
                     src = src.narrow(dim, off, length)
                 target = planner.resolve_tensor(ri).detach()
-                if src.is_pinned() and target.device.type == "cuda":
-                    # Queued on the current stream; the pinned buffer stays alive until the
-                    # copy ran (the host allocator records it), and read_data waits at its end.
-                    target.copy_(src, non_blocking=True)
-                    self._devices.add(target.device)
-                else:
-                    target.copy_(src)
+                target.copy_(src)
                 planner.commit_tensor(ri, target)
 
     def _read_run(self, reads: list[_TensorRead], stop: threading.Event) -> None:
