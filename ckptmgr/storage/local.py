@@ -185,6 +185,18 @@ _CHOOSERS: dict[int, _PathChooser] = {}  # st_dev -> its chooser
 _CHOOSERS_LOCK = threading.Lock()
 
 
+def _forget_choosers_in_child() -> None:
+    # A child forked while another thread held a chooser's lock (or this one) would inherit it
+    # locked and hang at its first large file: it starts with fresh locks and measures anew.
+    global _CHOOSERS_LOCK
+    _CHOOSERS_LOCK = threading.Lock()
+    _CHOOSERS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_choosers_in_child)
+
+
 def _chooser_for(directory: str) -> _PathChooser | None:
     """The chooser of the file system holding ``directory``; None when it cannot be stat'ed."""
     try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -109,3 +111,30 @@ def test_saves_on_both_paths_restore_bit_exact(tmp_path: Path,
         assert mgr.all_steps() == [1, 2, 3, 4]
     assert {p.name for p in root.iterdir()} >= {"1", "2", "3", "4"}
     assert not [p.name for p in root.iterdir() if "probe" in p.name]
+
+
+def test_a_child_forked_while_a_lock_is_held_still_chooses(tmp_path: Path) -> None:
+    """A process forked while another thread held the choosers' lock, or a chooser's, starts with
+    fresh locks (found by review: the child inherited them locked and hung at its first large
+    file)."""
+    chooser = local._chooser_for(str(tmp_path))
+    assert chooser is not None
+    with local._CHOOSERS_LOCK, chooser._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: must not block on either inherited lock
+            try:
+                child = local._chooser_for(str(tmp_path))
+                ok = child is not None and child is not chooser and child.choose(None)
+                os._exit(0 if ok else 3)
+            except BaseException:
+                os._exit(4)
+    for _ in range(1000):  # about 10 s; a hung child is killed and the test fails
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        threading.Event().wait(0.01)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on an inherited lock")
+    assert os.waitstatus_to_exitcode(status) == 0
