@@ -57,6 +57,7 @@ from ckptmgr.dcp.checkpoint import (
 from ckptmgr.dcp.state import flatten_state
 from ckptmgr.errors import (
     CkptmgrError,
+    ConfigError,
     CorruptCheckpointError,
     LeaseError,
     SaveError,
@@ -67,7 +68,7 @@ from ckptmgr.lease import Lease
 from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import open_storage
 
-__all__ = ["LAYOUT_KEY", "LocalTier", "local_view"]
+__all__ = ["LAYOUT_KEY", "LocalTier", "check_local_path", "local_view"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -121,6 +122,28 @@ class _Held:
     step: int
     ok: bool
     save: str | None = None
+
+
+def check_local_path(cfg: ManagerConfig) -> None:
+    """Check ``local_path`` before anything is written (the constructor calls this first).
+
+    Raises:
+        ConfigError: it names something that is not a directory, or a directory that cannot
+            be created here (its nearest existing parent is not a writable directory).
+    """
+    if not cfg.local.path:
+        return
+    path = os.path.abspath(os.path.expanduser(cfg.local.path))
+    parent = path
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    fix = "pass a directory on node-local disk (it is created if missing), or local_path=None"
+    if not os.path.isdir(parent):
+        raise ConfigError(f"local_path {cfg.local.path!r}: {parent!r} exists and is not a "
+                          f"directory; {fix}")
+    if parent != path and not cfg.read_only and not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"local_path {cfg.local.path!r} cannot be created: no write permission "
+                          f"on {parent!r}; {fix}")
 
 
 class LocalTier:
@@ -179,7 +202,11 @@ class LocalTier:
 
     def _open_and_verify(self) -> list[_Held]:
         if not self._read_only:
-            os.makedirs(self.root, exist_ok=True)
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except OSError as e:  # checked at construction; here only what that cannot see
+                raise ConfigError(f"local_path: cannot create {self.root!r}: {e}; pass a "
+                                  "directory on node-local disk, or local_path=None") from e
         self.store = StepStore(open_storage(self.root, writable=not self._read_only))
         if not self._read_only:
             self.lease = Lease(self.store.storage)

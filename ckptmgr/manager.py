@@ -35,7 +35,7 @@ from ckptmgr.durable import DurableTier
 from ckptmgr.events import Listeners, log_restore
 from ckptmgr.info import SaveStats, StepInfo
 from ckptmgr.initial import KeyMap, load_initial
-from ckptmgr.local_tier import LocalTier
+from ckptmgr.local_tier import LocalTier, check_local_path
 from ckptmgr.policy import best_step
 from ckptmgr.preemption import PreemptionWatcher
 from ckptmgr.writer_process import WriterProcess
@@ -105,6 +105,10 @@ class CheckpointManager(SavePath):
         self._closed = True  # until fully constructed, close() has nothing to release
         cfg = ManagerConfig.from_kwargs(**settings)
         self.config = cfg
+        # Every argument is checked before the root is touched (DESIGN.md section 2).
+        PreemptionWatcher.check_arguments(
+            cfg.preemption.signals if cfg.preemption.enabled else (), preemption_check)
+        check_local_path(cfg)
         self._durable = DurableTier.from_config(cfg)
         self._queue = SaveQueue()
         arenas = ArenaSet() if cfg.async_.mode == "process" else None  # shared staging memory

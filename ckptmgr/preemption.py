@@ -41,8 +41,7 @@ class PreemptionWatcher:
 
     def __init__(self, signals: Sequence[signal.Signals] = (), *, file: str | None = None,
                  check: Callable[[], bool] | None = None) -> None:
-        if check is not None and not callable(check):
-            raise ConfigError(f"preemption_check must be callable, got {check!r}")
+        self.check_arguments(signals, check)
         self._file = file
         self._check = check
         self._signum = 0
@@ -53,14 +52,26 @@ class PreemptionWatcher:
         self._file_armed = True
         self._check_armed = True
         self._previous: dict[signal.Signals, _Handler] = {}
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    @staticmethod
+    def check_arguments(signals: Sequence[signal.Signals], check: object) -> None:
+        """Check what the constructor takes, before anything is installed or written (the
+        manager calls this before it touches its root).
+
+        Raises:
+            ConfigError: ``check`` is not callable, or signals were requested off the main
+                thread (Python only allows handlers to be installed from it).
+        """
+        if check is not None and not callable(check):
+            raise ConfigError(f"preemption_check must be callable, got {check!r}")
         if signals and threading.current_thread() is not threading.main_thread():
             raise ConfigError(
                 "chkpt_on_preemption=True installs signal handlers, which Python allows only on "
                 "the main thread; construct the CheckpointManager on the main thread, or pass "
                 "chkpt_on_preemption=False (no handlers) and detect preemption with "
                 "preemption_file= or preemption_check=")
-        for sig in signals:
-            self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # Only set a flag: a collective or I/O here could deadlock (Lightning #20825).

@@ -73,3 +73,53 @@ def test_failed_constructor_leaves_no_signal_handler(tmp_path: Path) -> None:
     assert out.returncode == -signal.SIGTERM, (out.returncode, out.stdout, out.stderr)
     assert "survived" not in out.stdout
     assert not (tmp_path / "run").exists()  # and no lease, nothing written
+
+
+def _root_untouched(root: Path, **kwargs: Any) -> pytest.ExceptionInfo[ConfigError]:
+    with pytest.raises(ConfigError) as info:
+        CheckpointManager(str(root), save_interval=1, **kwargs)
+    assert not root.exists()  # failed before any I/O that changes storage
+    return info
+
+
+def test_bad_preemption_check_and_local_path_fail_before_the_root_is_made(
+        tmp_path: Path) -> None:
+    """Found by review (also before this round): these failed only after the root directory
+    was created, and a local_path under a file escaped as a raw NotADirectoryError."""
+    root = tmp_path / "run"
+    info = _root_untouched(root, preemption_check=5)
+    assert "preemption_check must be callable" in str(info.value)
+    a_file = tmp_path / "a-file"
+    a_file.write_bytes(b"x")
+    for bad in (a_file, a_file / "below"):
+        info = _root_untouched(root, local_path=str(bad), local_interval=1)
+        assert "local_path" in str(info.value) and "not a directory" in str(info.value)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through directory permissions")
+def test_local_path_that_cannot_be_created_fails_before_the_root_is_made(
+        tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    info = _root_untouched(tmp_path / "run", local_path=str(locked / "local"), local_interval=1)
+    assert "cannot be created" in str(info.value)
+
+
+def test_signals_off_the_main_thread_fail_before_the_root_is_made(tmp_path: Path) -> None:
+    import threading
+
+    out: list[BaseException] = []
+    root = tmp_path / "run"
+
+    def construct() -> None:
+        try:
+            CheckpointManager(str(root), save_interval=1)
+        except BaseException as e:
+            out.append(e)
+
+    t = threading.Thread(target=construct)
+    t.start()
+    t.join()
+    assert len(out) == 1 and isinstance(out[0], ConfigError), out
+    assert "main thread" in str(out[0])
+    assert not root.exists()
