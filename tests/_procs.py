@@ -239,9 +239,9 @@ def restored_version(mgr: Any, step: int) -> int:
 def _gate_data_writes(gate_dir: str) -> None:
     """(holder child) Hold data-file writes at the file gate in ``gate_dir`` once it is armed.
 
-    Patched where the manager's durable tier opens its root (``ckptmgr.durable``, or
-    ``ckptmgr.manager`` in trees where the manager still does), before the manager is built."""
-    import importlib
+    Patched where the durable tier opens its root (``ckptmgr.durable``), before the manager is
+    built."""
+    from ckptmgr import durable
 
     def gated(real_open: Callable[..., Any]) -> Callable[..., Any]:
         def open_storage(*args: Any, **kwargs: Any) -> Any:
@@ -260,13 +260,7 @@ def _gate_data_writes(gate_dir: str) -> None:
 
         return open_storage
 
-    for name in ("ckptmgr.durable", "ckptmgr.manager"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "open_storage"):
-            module.open_storage = gated(module.open_storage)
+    durable.open_storage = gated(durable.open_storage)
 
 
 def _serve(root: str, kwargs: dict[str, Any], gate_dir: str | None, calls: Any, answers: Any,
