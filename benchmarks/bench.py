@@ -463,6 +463,19 @@ def _start_manager_save(mgr: Any, step: int, state: dict[str, torch.Tensor]
 # ----------------------------------------------------------------------------------- the runner
 
 
+def one_rank_gloo() -> tuple[Any, bool]:
+    """A new gloo group of this one process, and whether the default group was made for it
+    here (a TCP store on a free port; the caller destroys it when done) rather than found."""
+    import torch.distributed as dist
+
+    made = False
+    if not dist.is_initialized():
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        made = True
+    return dist.new_group(backend="gloo"), made
+
+
 def settle(paths: Iterable[str]) -> None:
     """Delete ``paths`` (files or directories) and commit the file system's journal: on a disk
     mounted with ``discard`` the next method's fsync would otherwise pay for discarding them."""
@@ -821,16 +834,10 @@ class Bench:
         self._next_step()
 
     def _gloo(self) -> Any:
-        """A 1-rank gloo group (the default group, made here unless one exists): what DCP's
-        ``async_save`` is given in both of its modes, as a 1-rank training job would."""
-        import torch.distributed as dist
-
+        """A 1-rank gloo group: what DCP's ``async_save`` is given in both of its modes, as a
+        1-rank training job would (:func:`one_rank_gloo`)."""
         if self._group is None:
-            if not dist.is_initialized():
-                store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-                dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-                self._owns_default_group = True
-            self._group = dist.new_group(backend="gloo")
+            self._group, self._owns_default_group = one_rank_gloo()
         return self._group
 
     def _mode_manager(self, mode: str) -> Any:

@@ -318,15 +318,9 @@ class GpuBench:
         self.settle("dcp")
 
     def gloo(self) -> Any:
-        """A 1-rank gloo group (the default group, made here unless one exists)."""
-        import torch.distributed as dist
-
+        """A 1-rank gloo group (bench.py's :func:`one_rank_gloo`)."""
         if self._group is None:
-            if not dist.is_initialized():
-                store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
-                dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-                self._own_group = True
-            self._group = dist.new_group(backend="gloo")
+            self._group, self._own_group = B.one_rank_gloo()
         return self._group
 
     def dcp_start(self, name: str, times: dict[str, float],
