@@ -53,7 +53,13 @@ def test_outage_fails_a_restore_within_its_retry_budget(outage_report: OutageRep
     check_outage(outage_report, "restore")
 
 
-def test_disk_full_mid_save() -> None:
+@pytest.mark.parametrize("direct", [None, False], ids=["measured-path", "buffered-path"])
+def test_disk_full_mid_save(monkeypatch: pytest.MonkeyPatch, direct: bool | None) -> None:
+    """Both local byte paths meet a full disk: the default (direct where it works, until large
+    files have been timed) and the buffered one the path chooser may switch to."""
+    from ckptmgr.storage import local
+
+    monkeypatch.setattr(local, "DIRECT_IO", direct)
     try:
         report = disk_full(6, SEED)
     except MountUnavailable as e:
