@@ -99,14 +99,7 @@ class ChaosProxy:
                     return
                 if kind == "slow":
                     time.sleep(pause)  # the fault itself: a slow answer
-                self.send_response(resp.status, resp.reason)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                length = (resp.getheader("Content-Length") or "0") if self.command == "HEAD" \
-                    else str(len(data))
-                self.send_header("Content-Length", length)
-                self.end_headers()
+                self._answer_headers(resp, data)
                 if self.command == "HEAD":
                     return
                 if kind == "truncate" and len(data) > 1:

@@ -1131,14 +1131,7 @@ def _mkfifo_safe(path: str) -> None:
 def _write_tree(files: Mapping[str, bytes | str]) -> str:
     """A fresh directory holding ``files`` (name -> bytes; the string "fifo" makes a FIFO)."""
     d = tempfile.mkdtemp()
-    for name, data in files.items():
-        path = os.path.join(d, name)
-        if data == "fifo":
-            _mkfifo_safe(path)
-        else:
-            assert isinstance(data, bytes)
-            with open(path, "wb") as f:
-                f.write(data)
+    _write_tree_into(d, files)
     return d
 
 

@@ -320,6 +320,19 @@ class ProxyHandler(BaseHTTPRequestHandler):
     def _forward(self, body: bytes) -> tuple[http.client.HTTPResponse, bytes]:
         return forward_request(self, *self.upstream, body)
 
+    def _answer_headers(self, resp: http.client.HTTPResponse, data: bytes) -> None:
+        """Send the upstream answer's status and headers for a body of ``data`` (the caller
+        writes the body, unless the request was a HEAD)."""
+        self.send_response(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(k, v)
+        # A HEAD answer has no body but tells the object's size: pass that through.
+        length = (resp.getheader("Content-Length") or "0") if self.command == "HEAD" \
+            else str(len(data))
+        self.send_header("Content-Length", length)
+        self.end_headers()
+
 
 def serve_http(handler: type[BaseHTTPRequestHandler], name: str) -> tuple[
         ThreadingHTTPServer, str, threading.Thread]:
@@ -440,15 +453,7 @@ class FaultProxy:
                         self.wfile.write(fault.body)
                         return
                 resp, data = self._forward(body)
-                self.send_response(resp.status, resp.reason)
-                for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                # A HEAD answer has no body but tells the object's size: pass that through.
-                length = (resp.getheader("Content-Length") or "0") if self.command == "HEAD" \
-                    else str(len(data))
-                self.send_header("Content-Length", length)
-                self.end_headers()
+                self._answer_headers(resp, data)
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
