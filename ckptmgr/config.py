@@ -319,6 +319,9 @@ class LocalTierConfig(_Section):
         default=None, description="a step is due on the local tier when step % interval == 0")
     max_to_keep: Annotated[_Int1, Setting("an int >= 1", 25, "local_max_to_keep")] = Field(
         default=2, description="newest local steps kept on every rank")
+    replicas: Annotated[_Int0, Setting("an int >= 0", 28, "local_replicas")] = Field(
+        default=0, description="each rank's local step is also held by this many ranks on other "
+        "nodes (peer replicas, sent in the background); 0: none")
 
     @model_validator(mode="after")
     def _path_and_interval_together(self) -> LocalTierConfig:
@@ -359,6 +362,9 @@ class ManagerConfig(_Section):
         default=True, description="a normal close() saves the newest step given to save or "
         "save_async when it is newer than the newest committed step (never after an exception, "
         "never a state changed since that call)")
+    reuse_unchanged: Annotated[bool, Strict(), Setting("a bool", 29)] = Field(
+        default=False, description="durable tier: a tensor chunk equal (by content hash) to one "
+        "of the newest committed step is referenced instead of written again")
     collective_timeout_s: Annotated[
         _Seconds | None, Setting("None or a finite number of seconds > 0", 22)] = Field(
         default=None, description="no collective of ckptmgr waits longer; None: the "

@@ -96,6 +96,8 @@ class CheckpointManager(SavePath):
         local_max_to_keep: int = 2,
         async_mode: str = "thread",
         save_on_close: bool = True,
+        local_replicas: int = 0,
+        reuse_unchanged: bool = False,
     ) -> None:
         # Every argument but process_group and preemption_check is a setting declared once in
         # ckptmgr/config.py; tests/config/test_settings.py checks this signature against it.

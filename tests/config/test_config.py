@@ -42,7 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "preemption_file": None, "planner": "auto", "read_only": False, "take_over": False,
     "collective_timeout_s": None,
     "local_path": None, "local_interval": None, "local_max_to_keep": 2, "async_mode": "thread",
-    "save_on_close": True,
+    "save_on_close": True, "local_replicas": 0, "reuse_unchanged": False,
 }
 
 # Constructor argument -> YAML path, written out here independently of the module's own table.
@@ -61,7 +61,8 @@ YAML_PATH = {
     "collective_timeout_s": "collective_timeout_s",
     "local_path": "local.path", "local_interval": "local.interval",
     "local_max_to_keep": "local.max_to_keep", "async_mode": "async.mode",
-    "save_on_close": "save_on_close",
+    "save_on_close": "save_on_close", "local_replicas": "local.replicas",
+    "reuse_unchanged": "reuse_unchanged",
 }
 BASE: dict[str, Any] = {"path": "/tmp/ckpt-run", "save_interval": 10}
 
@@ -141,7 +142,8 @@ def test_round_trip_with_every_option_set() -> None:
         "planner": "xla_spmd", "read_only": True, "take_over": True,
         "collective_timeout_s": 42.5,
         "local_path": "/local_nvme/run", "local_interval": 50, "local_max_to_keep": 3,
-        "async_mode": "process", "save_on_close": False,
+        "async_mode": "process", "save_on_close": False, "local_replicas": 1,
+        "reuse_unchanged": True,
     }
     cfg = ManagerConfig.from_kwargs(**kwargs)
     assert cfg.to_kwargs() == kwargs

@@ -20,7 +20,7 @@ def test_every_setting_is_declared_once_with_its_rule_and_description() -> None:
     leaves = [(where, info, setting) for where, info, setting in fields if setting is not None]
     sections = [where for where, _, setting in fields if setting is None]
     assert sections == [("storage",), ("retention",), ("async",), ("preemption",), ("local",)]
-    assert len(leaves) == len(config._FLAT) == 28
+    assert len(leaves) == len(config._FLAT) == 30
     for where, info, setting in leaves:
         assert info.description, where
         assert config._RULES[".".join(where)] == setting.rule
