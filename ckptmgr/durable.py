@@ -22,6 +22,7 @@ Call order (collectives over the ``comm`` given, same order on every rank):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -30,7 +31,7 @@ from functools import partial
 from typing import Any
 
 from ckptmgr._dist import Comm
-from ckptmgr.codec.layout import attempt_in_name
+from ckptmgr.codec.layout import attempt_in_name, shared_chunk_digest
 from ckptmgr.codec.manifest import Manifest
 from ckptmgr.config import ManagerConfig
 from ckptmgr.dcp.checkpoint import (
@@ -40,6 +41,7 @@ from ckptmgr.dcp.checkpoint import (
     read_restore_source,
     write_step,
 )
+from ckptmgr.dcp.planner import REUSE_CHUNK_BYTES
 from ckptmgr.errors import (
     CkptmgrError,
     CorruptCheckpointError,
@@ -104,11 +106,15 @@ class DurableTier:
         read_manifests: whether listing the root reads every manifest (time-based or metric
             retention, ``best_step``).
         overwrite, verify, planner, read_only: the manager's settings of these names.
+        reuse_unchanged: share unchanged tensor chunks across steps (docs/byte-format.md,
+            "Shared chunks"): large tensors are cut into row blocks, and a block whose bytes a
+            shared chunk of the root holds already is referenced instead of written.
     """
 
     def __init__(self, store: StepStore, *, policy: RetentionPolicy, num_threads: int | None,
                  read_manifests: bool, overwrite: bool = False, verify: bool = True,
-                 planner: str = "auto", read_only: bool = False) -> None:
+                 planner: str = "auto", read_only: bool = False,
+                 reuse_unchanged: bool = False) -> None:
         self.store = store
         self.policy = policy
         self.num_threads = num_threads
@@ -117,10 +123,18 @@ class DurableTier:
         self.verify = verify
         self.planner = planner
         self.read_only = read_only
-        self.planners = SavePlanners()  # kept across saves: an unchanged state reuses its plans
+        self.reuse_unchanged = reuse_unchanged
+        # Kept across saves: an unchanged state reuses its plans.
+        self.planners = SavePlanners(chunk_bytes=REUSE_CHUNK_BYTES if reuse_unchanged else None)
         self.lease: Lease | None = None
         self.view = View()
         self._alive: Callable[[], None] | None = None  # the writer process: its parent lives
+        # (coordinator) The shared chunks of the newest step this tier committed: step and
+        # digest -> (size, checksum), so that the next save need not read its manifest.
+        self._newest_shared: tuple[int, dict[str, tuple[int, str]]] | None = None
+        # (coordinator) Whether unreferenced shared chunks may exist beyond what the deletions
+        # of the next commit leave: at first (a crashed run before this one), after a failure.
+        self._sweep_due = True
 
     @classmethod
     def from_config(cls, cfg: ManagerConfig) -> DurableTier:
@@ -133,7 +147,7 @@ class DurableTier:
                    read_manifests=ret.best_metric is not None or (
                        bool(ret.max_to_keep) and ret.keep_time_interval is not None),
                    overwrite=cfg.overwrite, verify=cfg.verify, planner=cfg.planner,
-                   read_only=cfg.read_only)
+                   read_only=cfg.read_only, reuse_unchanged=cfg.reuse_unchanged)
 
     @property
     def url(self) -> str:
@@ -230,16 +244,63 @@ class DurableTier:
         saves) and in the writer process (``"process"``).
         """
         t_write = time.perf_counter()
-        outcome = write_step(flat, self.store, plan, rank=comm.rank, group=comm.group,
-                             planner=self.planners.get(spmd), trusted=trusted,
-                             num_threads=self.num_threads,
-                             fence=self.check_lease if comm.is_coordinator else None,
-                             arrivals=comm.arrivals)
+        try:
+            if self.reuse_unchanged:
+                # Here, on the thread (or process) that writes, not when the save was planned
+                # on the training thread: listing the chunks must not add to save_async's
+                # blocked time.
+                plan = dataclasses.replace(plan, reuse=comm.on_coordinator(self._reusable))
+            outcome = write_step(flat, self.store, plan, rank=comm.rank, group=comm.group,
+                                 planner=self.planners.get(spmd), trusted=trusted,
+                                 num_threads=self.num_threads,
+                                 fence=self.check_lease if comm.is_coordinator else None,
+                                 arrivals=comm.arrivals)
+        except BaseException:
+            self._sweep_due = True  # chunks the failed attempt wrote are referenced by none
+            raise
         write_s = time.perf_counter() - t_write
         view = comm.on_coordinator(lambda: self._after_commit(plan, outcome.manifest))
         total = sum(comm.all_gather(outcome.bytes_written))
         self.view = view
         return DurableOutcome(outcome.bytes_written, total, write_s, view)
+
+    def _reusable(self) -> dict[str, tuple[int, str | None]]:
+        """(coordinator, as a save with reuse begins) The shared chunks the save may reference:
+        every chunk of the root as listed now (no chunk is removed while a save is in flight,
+        and a chunk's name appears only once its bytes are whole), with its checksum where the
+        newest committed step lists it (the others' are computed from the staged bytes). A root
+        that cannot be listed reuses nothing: every chunk is written."""
+        try:
+            listed = self.store.shared_sizes()
+        except CkptmgrError as e:
+            log.warning("reuse_unchanged: could not list the shared chunks of %s (%s); this "
+                        "save writes every chunk", self.url, e)
+            return {}
+        known = self._newest_sums()
+        out: dict[str, tuple[int, str | None]] = {}
+        for path, size in listed.items():
+            digest = shared_chunk_digest(path)
+            entry = known.get(digest)
+            out[digest] = (size, entry[1] if entry is not None and entry[0] == size else None)
+        return out
+
+    def _newest_sums(self) -> dict[str, tuple[int, str]]:
+        """(coordinator) digest -> (size, checksum) of the shared chunks of the newest committed
+        step (remembered from its commit, else read from its manifest); {} when none."""
+        ours = [s for s in self.view.records]
+        if not ours:
+            return {}
+        newest = max(ours)
+        if self._newest_shared is not None and self._newest_shared[0] == newest:
+            return self._newest_shared[1]
+        try:
+            manifest = self.store.read_manifest(newest)
+        except CkptmgrError as e:
+            log.warning("reuse_unchanged: the manifest of step %d cannot be read (%s)", newest, e)
+            return {}
+        sums = _shared_sums(manifest)
+        self._newest_shared = (newest, sums)
+        return sums
 
     def _after_commit(self, plan: CommitPlan, manifest: Manifest | None) -> View:
         """(coordinator) The root after a commit: record it, drop replaced attempts, apply
@@ -252,11 +313,15 @@ class DurableTier:
         records = dict(self.view.records)
         records[plan.step] = StepRecord(step=plan.step, time=manifest.unix_time,
                                         metrics=dict(manifest.metrics))
+        if plan.step >= max(records):
+            self._newest_shared = (plan.step, _shared_sums(manifest))
         if not plan.staged:
             store.remove_replaced_attempts(plan)
         # Nothing else is in flight: the only save in flight is the one that just committed.
         doomed = [s for s in steps_to_delete([records[s] for s in sorted(records)], self.policy)
                   if s != plan.step]
+        # An overwrite or a deletion can leave shared chunks that no step references any more.
+        sweep = self._sweep_due or plan.overwrite or bool(doomed)
         for s in doomed:
             try:
                 store.delete_step(s)
@@ -271,6 +336,11 @@ class DurableTier:
         try:  # best effort: the step is committed whatever happens here
             scan = store.scan()
             store.remove_leftovers(scan, keep_attempt=plan.attempt)
+            if scan.shared_dir and sweep:
+                # After the commit, with nothing else in flight (module docstring): no chunk
+                # a save is writing or about to reference can be removed here.
+                store.remove_unreferenced_chunks()
+            self._sweep_due = False
             return View(records, frozenset(scan.dcp_steps))
         except LeaseError as e:
             log.error("after committing step %d: no leftovers removed: %s", plan.step, e)
@@ -374,6 +444,11 @@ class DurableTier:
             CheckpointNotFoundError, CorruptCheckpointError: as :meth:`StepStore.read_manifest`.
         """
         return self.store.read_manifest(step)
+
+
+def _shared_sums(manifest: Manifest) -> dict[str, tuple[int, str]]:
+    """digest -> (size, checksum) of the shared chunks ``manifest`` lists."""
+    return {shared_chunk_digest(f.path): (f.size, f.checksum) for f in manifest.shared}
 
 
 class _Overwritten(Exception):

@@ -48,7 +48,10 @@ from typing import TYPE_CHECKING, Any
 from ckptmgr.codec.checksum import checksum
 from ckptmgr.codec.layout import (
     MANIFEST_NAME,
+    SHARED_DIR,
     check_step,
+    is_shared_chunk_name,
+    is_shared_temp_name,
     join,
     new_attempt_id,
     parse_staging_name,
@@ -132,6 +135,11 @@ class CommitPlan:
     metrics: Mapping[str, float] = field(default_factory=dict)
     metadata: Mapping[str, Any] = field(default_factory=dict)
     mesh: Any = None
+    reuse: Mapping[str, tuple[int, str | None]] | None = None
+    """``reuse_unchanged=True``: the shared chunks this save may reference instead of writing,
+    digest -> (size, checksum when the newest committed step lists it, else None), as the
+    coordinator listed them when the save began (none is removed while a save is in flight);
+    None: reuse is off, every byte goes into the step directory."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +153,8 @@ class RootScan:
             :meth:`StepStore.is_ours`).
         staging: staging directory names of saves that never renamed into place.
         symlinks: step-named entries that are symbolic links (never followed).
+        shared_dir: whether the root holds a ``chunks/`` directory (shared chunks of steps
+            saved with ``reuse_unchanged=True``).
     """
 
     committed: list[int]
@@ -152,6 +162,7 @@ class RootScan:
     uncommitted: list[str]
     staging: list[str]
     symlinks: list[str]
+    shared_dir: bool = False
 
 
 @dataclass(frozen=True)
@@ -227,11 +238,14 @@ class StepStore:
         unmarked: dict[int, str] = {}
         staging: list[str] = []
         links: list[str] = []
+        shared_dir = False
         for entry in self.storage.scan_root(MANIFEST_NAME):
             step = parse_step_name(entry.name)
             if step is None:
                 if entry.is_dir and parse_staging_name(entry.name) is not None:
                     staging.append(entry.name)
+                shared_dir = shared_dir or (entry.is_dir and not entry.is_symlink
+                                            and entry.name == SHARED_DIR)
                 continue
             if entry.is_symlink:
                 links.append(entry.name)
@@ -246,7 +260,8 @@ class StepStore:
         for s in dcp:
             del unmarked[s]
         return RootScan(sorted(committed), sorted(dcp),
-                        [unmarked[s] for s in sorted(unmarked)], sorted(staging), sorted(links))
+                        [unmarked[s] for s in sorted(unmarked)], sorted(staging), sorted(links),
+                        shared_dir)
 
     def committed_steps(self) -> list[int]:
         """Steps with our manifest, ascending."""
@@ -492,8 +507,20 @@ class StepStore:
             raise RestoreError(f"step {step} was written on a {manifest.byteorder}-endian host; "
                                f"this host is {sys.byteorder}-endian", step=step)
         sdir = step_dir_name(step)
-        return StepFiles(manifest, self.read_metadata(sdir, manifest, verify=verify),
-                         self.storage.list_files(sdir))
+        metadata = self.read_metadata(sdir, manifest, verify=verify)
+        sizes = self.storage.list_files(sdir)
+        if manifest.shared:
+            sizes.update(self.shared_sizes())
+        return StepFiles(manifest, metadata, sizes)
+
+    def shared_sizes(self) -> dict[str, int]:
+        """The shared chunks of the root as listed now: ``chunks/<hex>`` -> bytes (one list
+        call; files under ``chunks/`` with other names are left out)."""
+        if self.storage.is_symlink(SHARED_DIR):
+            return {}  # never followed: every chunk a step names is then missing
+        return {join(SHARED_DIR, name): size
+                for name, size in self.storage.list_files(SHARED_DIR).items()
+                if is_shared_chunk_name(name)}
 
     def current_attempt(self, step: int) -> str | None:
         """The attempt id of ``step``'s manifest now, None if absent or unreadable."""
@@ -704,6 +731,59 @@ class StepStore:
                 self._remove(join(dirname, name))
         log.warning("%s/%s: left %d files ckptmgr did not write: %s", self.url, dirname,
                     len(foreign), ", ".join(foreign[:5]))
+
+    def remove_unreferenced_chunks(self, *, dry_run: bool = False) -> list[str]:
+        """(coordinator, under the lease, with no save in flight) Remove every shared chunk that
+        no committed step references, and the temporary files of chunk writes that never
+        finished. Decided from the committed manifests alone, read now: a chunk is kept while
+        any committed step's manifest lists it; a step whose manifest cannot be read stops the
+        whole clean-up (it might reference any chunk). Files under ``chunks/`` whose names are
+        not a chunk's are never touched.
+
+        Nothing else may write the root meanwhile: the manager runs it after its save committed
+        (the only save in flight), the CLI under the writer lease. A crash at any point leaves at
+        worst unreferenced chunks, which the next call removes.
+
+        Returns:
+            The paths removed (``dry_run``: that would be removed).
+
+        Raises:
+            LeaseError: this writer does not hold the root's lease (nothing more removed).
+            StorageError: listing the root or ``chunks/`` failed (nothing removed).
+        """
+        if self.storage.is_symlink(SHARED_DIR):
+            log.warning("%s/%s is a symbolic link; ckptmgr never removes through links",
+                        self.url, SHARED_DIR)
+            return []
+        listed = self.storage.list_files(SHARED_DIR)
+        if not listed:
+            return []
+        referenced: set[str] = set()
+        for step in self.committed_steps():
+            try:
+                referenced.update(f.path for f in self.read_manifest(step).shared)
+            except CheckpointNotFoundError:
+                continue  # uncommitted meanwhile: it references nothing any more
+            except CkptmgrError as e:
+                log.warning("no shared chunk removed from %s: the manifest of step %d cannot be "
+                            "read (%s), so any chunk may be one of its own", self.url, step, e)
+                return []
+        removed: list[str] = []
+        for name in sorted(listed):
+            path = join(SHARED_DIR, name)
+            if not (is_shared_chunk_name(name) or is_shared_temp_name(name)) or (
+                    path in referenced):
+                continue
+            if not dry_run:
+                try:
+                    self._remove(path)
+                except StorageError as e:
+                    log.warning("could not remove unreferenced shared chunk %s: %s", path, e)
+                    continue
+            removed.append(path)
+        if removed and not dry_run:
+            log.info("removed %d unreferenced shared chunks from %s", len(removed), self.url)
+        return removed
 
     def remove_leftovers(self, scan: RootScan, *, keep_attempt: str | None = None,
                          protect: Iterable[int] = ()) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import xxhash
 
-__all__ = ["CHECKSUM_ALGO", "Hasher", "checksum"]
+__all__ = ["CHECKSUM_ALGO", "Hasher", "checksum", "content_digest"]
 
 CHECKSUM_ALGO = "xxh3_64"
 
@@ -17,6 +17,13 @@ CHECKSUM_ALGO = "xxh3_64"
 def checksum(data: memoryview | bytes) -> str:
     """``"xxh3_64:<16 hex>"`` of ``data``."""
     return f"{CHECKSUM_ALGO}:{xxhash.xxh3_64_hexdigest(data)}"
+
+
+def content_digest(data: memoryview | bytes) -> str:
+    """The 32 lowercase hex digits of xxh3-128 of ``data``: the name of a shared chunk
+    (``reuse_unchanged=True``). 128 bits, so that two different chunks of one root never share
+    a name by chance (about 2**-64 for 2**32 chunks); never a checksum of its own."""
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 class Hasher:

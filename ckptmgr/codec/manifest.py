@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ckptmgr.codec.layout import MAX_STEP, check_file_name
+from ckptmgr.codec.layout import MAX_STEP, check_file_name, check_shared_chunk_path
 from ckptmgr.errors import ConfigError
 
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "FORMAT_VERSIONS",
     "MAX_MANIFEST_BYTES",
+    "SHARED_FORMAT_VERSION",
     "FileEntry",
     "Manifest",
     "ManifestError",
@@ -35,6 +37,11 @@ __all__ = [
 
 FORMAT_NAME = "ckptmgr"
 FORMAT_VERSION = 1
+"""The version of a manifest without shared chunks (every step written with reuse off)."""
+SHARED_FORMAT_VERSION = 2
+"""The version of a manifest that references shared chunks (``shared``): older ckptmgr versions
+refuse it with "upgrade ckptmgr" instead of failing on a path outside the step directory."""
+FORMAT_VERSIONS = (FORMAT_VERSION, SHARED_FORMAT_VERSION)
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 MAX_JSON_DEPTH = 64
 _CHECKSUM_RE = re.compile(r"xxh3_64:[0-9a-f]{16}")
@@ -64,7 +71,12 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class Manifest:
-    """Everything the commit of one step records."""
+    """Everything the commit of one step records.
+
+    ``files`` are the step's own files (inside its directory); ``shared`` the shared chunks it
+    references (root-relative ``chunks/<32 hex>``, format version 2 only), each of which it needs
+    as much as its own files.
+    """
 
     step: int
     time: str
@@ -79,17 +91,23 @@ class Manifest:
     mesh: Any = None
     byteorder: str = "little"
     format_version: int = FORMAT_VERSION
+    shared: tuple[FileEntry, ...] = ()
     # path -> entry: a restore looks up every file it reads, and a manifest may list 100k files.
     _by_path: dict[str, FileEntry] = field(init=False, repr=False, compare=False,
                                            default_factory=dict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_by_path", {f.path: f for f in self.files})
+        object.__setattr__(self, "_by_path", {f.path: f for f in (*self.files, *self.shared)})
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of all files of the step, metadata included."""
+        """Bytes of the step's own files (in its directory), metadata included."""
         return sum(f.size for f in self.files)
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the shared chunks the step references (stored once under ``chunks/``)."""
+        return sum(f.size for f in self.shared)
 
     @property
     def unix_time(self) -> float:
@@ -97,7 +115,8 @@ class Manifest:
         return datetime.fromisoformat(self.time.replace("Z", "+00:00")).timestamp()
 
     def file(self, path: str) -> FileEntry:
-        """The entry for ``path``; KeyError if the manifest does not list it."""
+        """The entry for ``path`` (a file of the step, or a shared chunk ``chunks/<hex>``);
+        KeyError if the manifest does not list it."""
         return self._by_path[path]
 
 
@@ -168,6 +187,10 @@ def encode_manifest(m: Manifest) -> bytes:
         "bytes_per_rank": {str(r): b for r, b in sorted(m.bytes_per_rank.items())},
         "total_bytes": m.total_bytes,
     }
+    if m.format_version >= SHARED_FORMAT_VERSION:
+        doc["shared"] = [{"path": f.path, "size": f.size, "checksum": f.checksum}
+                         for f in m.shared]
+        doc["shared_bytes"] = m.shared_bytes
     return json.dumps(doc, indent=1, sort_keys=False, allow_nan=True).encode("utf-8")
 
 
@@ -264,10 +287,10 @@ def decode_manifest(data: bytes, *, expected_step: int | None = None) -> Manifes
     if doc.get("format") != FORMAT_NAME:
         raise ManifestError(f"not a ckptmgr manifest (format={doc.get('format')!r})")
     version = _req(doc, "format_version", int)
-    if version != FORMAT_VERSION:
+    if version not in FORMAT_VERSIONS:
         raise ManifestError(
             f"manifest format_version {version} is not supported by this ckptmgr "
-            f"(supports {FORMAT_VERSION}); upgrade ckptmgr")
+            f"(supports {', '.join(map(str, FORMAT_VERSIONS))}); upgrade ckptmgr"[:300])
     step = _nonneg_int(_req(doc, "step", int), "step", MAX_STEP)
     if expected_step is not None and step != expected_step:
         raise ManifestError(f"manifest names step {step} but lives in directory {expected_step}")
@@ -288,23 +311,18 @@ def decode_manifest(data: bytes, *, expected_step: int | None = None) -> Manifes
         metadata_file = check_file_name(_req(doc, "metadata_file", str))
     except ValueError as e:
         raise UnsafePathError(f"metadata_file escapes the step directory: {e}") from e
-    files: list[FileEntry] = []
     seen: set[str] = set()
-    for i, entry in enumerate(_req(doc, "files", list)):
-        if not isinstance(entry, dict):
-            raise ManifestError(f"files[{i}] is not an object")
-        try:
-            path = check_file_name(_req(entry, "path", str))
-        except ValueError as e:
-            raise UnsafePathError(f"files[{i}] escapes the step directory: {e}") from e
-        if path in seen:
-            raise ManifestError(f"files[{i}] lists {path!r} twice")
-        seen.add(path)
-        size = _nonneg_int(_req(entry, "size", int), f"files[{i}].size")
-        checksum = _req(entry, "checksum", str)
-        if not _CHECKSUM_RE.fullmatch(checksum):
-            raise ManifestError(f"files[{i}].checksum {checksum!r} is not 'xxh3_64:<16 hex>'")
-        files.append(FileEntry(path, size, checksum))
+    files = _file_entries(_req(doc, "files", list), "files", seen)
+    shared: list[FileEntry] = []
+    if version >= SHARED_FORMAT_VERSION:
+        shared = _file_entries(_req(doc, "shared", list), "shared", seen)
+        total_shared = doc.get("shared_bytes")
+        if total_shared is not None and total_shared != sum(f.size for f in shared):
+            raise ManifestError(f"shared_bytes {total_shared!r} does not match the sum of the "
+                                "shared chunks' sizes"[:300])
+    elif "shared" in doc:
+        raise ManifestError(f"manifest format_version {version} cannot list shared chunks "
+                            f"(format_version {SHARED_FORMAT_VERSION} does)")
     if metadata_file not in seen:
         raise ManifestError(f"metadata_file {metadata_file!r} is not listed in files")
     bpr_raw = _req(doc, "bytes_per_rank", dict)
@@ -335,4 +353,31 @@ def decode_manifest(data: bytes, *, expected_step: int | None = None) -> Manifes
         metadata_file=metadata_file, files=tuple(files), bytes_per_rank=bytes_per_rank,
         versions=dict(versions), metrics=floats,
         metadata=metadata, mesh=doc.get("mesh"), byteorder=byteorder, format_version=version,
+        shared=tuple(shared),
     )
+
+
+def _file_entries(raw: list[Any], what: str, seen: set[str]) -> list[FileEntry]:
+    """The entries of ``files`` (names inside the step directory) or ``shared`` (exactly
+    ``chunks/<32 hex>``, root-relative); ``seen`` collects paths across both lists."""
+    out: list[FileEntry] = []
+    for i, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            raise ManifestError(f"{what}[{i}] is not an object")
+        try:
+            if what == "shared":
+                path = check_shared_chunk_path(_req(entry, "path", str))
+            else:
+                path = check_file_name(_req(entry, "path", str))
+        except ValueError as e:
+            raise UnsafePathError(f"{what}[{i}] escapes the step directory: {e}") from e
+        if path in seen:
+            raise ManifestError(f"{what}[{i}] lists {path!r} twice"[:300])
+        seen.add(path)
+        size = _nonneg_int(_req(entry, "size", int), f"{what}[{i}].size")
+        checksum = _req(entry, "checksum", str)
+        if not _CHECKSUM_RE.fullmatch(checksum):
+            raise ManifestError(f"{what}[{i}].checksum {checksum!r} is not "
+                                "'xxh3_64:<16 hex>'"[:300])
+        out.append(FileEntry(path, size, checksum))
+    return out

@@ -37,7 +37,7 @@ from ckptmgr.codec.chunks import (
     not_covered_once,
 )
 from ckptmgr.codec.dtypes import DTYPE_ITEMSIZE
-from ckptmgr.codec.layout import check_file_name
+from ckptmgr.codec.layout import check_stored_name
 from ckptmgr.codec.manifest import ManifestError, UnsafePathError
 from ckptmgr.codec.metadata import (
     FORMAT,
@@ -398,7 +398,7 @@ def decode_columnar_metadata(data: bytes) -> MetadataDoc:
         raise ManifestError("metadata lacks files, tensors, values or checksum_prefix")
     for name in files:
         try:
-            check_file_name(name)
+            check_stored_name(name)
         except (ValueError, TypeError) as e:
             raise UnsafePathError(f"data file {name!r} escapes the step directory: {e}") from e
     out: dict[str, TensorEntry] = {}

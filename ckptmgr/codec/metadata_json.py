@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ckptmgr.codec.chunks import Box, BoxList, check_chunks, outside_tensor
-from ckptmgr.codec.layout import check_file_name
+from ckptmgr.codec.layout import check_stored_name
 from ckptmgr.codec.manifest import ManifestError, UnsafePathError
 from ckptmgr.codec.metadata import (
     ENCODINGS,
@@ -108,7 +108,7 @@ def decode_json_metadata(data: bytes) -> MetadataDoc:
         off = s.get("offset")
         key = (fqn, None if off is None else tuple(read_ints(off, f"{fqn} offset")))
         try:
-            file = check_file_name(s.get("file"))  # type: ignore[arg-type]
+            file = check_stored_name(s.get("file"))  # type: ignore[arg-type]
         except ValueError as e:
             raise UnsafePathError(
                 f"storage path of {fqn!r} escapes the step directory: {e}") from e

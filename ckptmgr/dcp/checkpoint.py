@@ -152,8 +152,13 @@ class SavePlanners:
     """The save planners of one manager, kept across saves so that an unchanged state reuses its
     plans (saves never overlap: one runs at a time, on one thread)."""
 
-    def __init__(self) -> None:
-        self._dcp = CkptSavePlanner()
+    def __init__(self, *, chunk_bytes: int | None = None) -> None:
+        """
+        Args:
+            chunk_bytes: the FSDP/DCP planner cuts tensor chunks larger than this into row
+                blocks (``reuse_unchanged=True``); the SPMD planner keeps whole shards.
+        """
+        self._dcp = CkptSavePlanner(chunk_bytes=chunk_bytes)
         self._spmd: SpmdSavePlanner | None = None  # made at the first sharded save
 
     def get(self, spmd: bool) -> CkptSavePlanner:

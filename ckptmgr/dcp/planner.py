@@ -43,18 +43,35 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
     create_default_global_save_plan,
 )
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem, SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.tensor import DTensor
 
 from ckptmgr.dcp.shards import StagedDTensor, coverage_problem
 from ckptmgr.errors import UnsafeCheckpointError
 
 __all__ = [
-    "CkptLoadPlanner", "CkptSavePlanner", "PlanTokenError", "balance_replicated",
-    "default_structure_key", "flatten_like_dcp", "item_bytes", "metadata_bytes_estimate",
-    "plan_token", "set_by_path", "tagged_plan",
+    "REUSE_CHUNK_BYTES", "CkptLoadPlanner", "CkptSavePlanner", "PlanTokenError",
+    "balance_replicated", "default_structure_key", "flatten_like_dcp", "item_bytes",
+    "metadata_bytes_estimate", "plan_token", "set_by_path", "split_item", "tagged_plan",
 ]
+
+REUSE_CHUNK_BYTES = 4 << 20
+"""With ``reuse_unchanged=True``, tensor chunks larger than this are cut along dim 0 into row
+blocks of about this many bytes, so that a partly changed tensor (a few embedding rows) rewrites
+only the blocks that changed. 4 MiB: 256 files per GiB written, and a changed row costs at most
+4 MiB of writing (docs/byte-format.md, "Shared chunks")."""
 
 # Bytes our metadata (format 2) spends per key (its header entry: name, dtype, size, chunk grid,
 # column descriptions), besides the key itself, and per stored chunk (its packed checksum and
@@ -79,6 +96,35 @@ def item_bytes(item: WriteItem) -> int:
 
 
 _item_bytes = item_bytes
+
+
+def split_item(item: WriteItem, chunk_bytes: int) -> list[WriteItem] | None:
+    """``item`` cut along dim 0 into row blocks of at most ``chunk_bytes`` (at least one row
+    each), or None when it is not a tensor chunk larger than that with more than one row.
+
+    Deterministic (a pure function of the chunk's box, dtype and ``chunk_bytes``): every rank
+    holding a replicated tensor cuts it the same way, so the dedup still sees equal items.
+    """
+    td = item.tensor_data
+    if item.type == WriteItemType.BYTE_IO or td is None or not len(td.chunk.sizes):
+        return None
+    sizes = list(td.chunk.sizes)
+    row_bytes = math.prod(sizes[1:]) * td.properties.dtype.itemsize
+    if row_bytes == 0 or sizes[0] * row_bytes <= chunk_bytes:
+        return None
+    rows = max(1, chunk_bytes // row_bytes)
+    if rows >= sizes[0]:
+        return None
+    out: list[WriteItem] = []
+    base = list(td.chunk.offsets)
+    for start in range(0, sizes[0], rows):
+        offsets = torch.Size([base[0] + start, *base[1:]])
+        box = torch.Size([min(rows, sizes[0] - start), *sizes[1:]])
+        out.append(WriteItem(
+            index=MetadataIndex(item.index.fqn, offsets), type=item.type,
+            tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=box),
+                                        properties=td.properties, size=td.size)))
+    return out
 
 
 def metadata_bytes_estimate(plans: list[SavePlan]) -> int:
@@ -279,21 +325,27 @@ class CkptSavePlanner(DefaultSavePlanner):
 
     plan_cache: bool = True
 
-    def __init__(self, *, flatten_state_dict: bool = False) -> None:
+    def __init__(self, *, flatten_state_dict: bool = False,
+                 chunk_bytes: int | None = None) -> None:
         """
         Args:
             flatten_state_dict: flatten nested dicts and lists the way DCP's default planner
                 does (and record the paths as ``planner_data``): for nested state dicts under
                 plain ``dcp.save``. The manager hands over states it flattened itself.
+            chunk_bytes: cut tensor chunks larger than this into row blocks (:func:`split_item`;
+                the manager's ``reuse_unchanged=True``); None: DCP's chunks as they are.
         """
         super().__init__(flatten_state_dict=flatten_state_dict, flatten_sharded_tensors=True)
+        self.chunk_bytes = chunk_bytes
+        # Row block's index -> the index and offsets of the item it was cut from (the plan's).
+        self._parents: dict[MetadataIndex, tuple[MetadataIndex, tuple[int, ...]]] = {}
         self.local_plan_reuses = 0
         self.global_plan_reuses = 0
         self.plan_tokens_sent = 0
         self._key: Any = None
         # Newest first: (structure key, local plan as sent whole) and (gathered plans, their
         # ids, global plans, metadata).
-        self._local_cache: list[tuple[Any, SavePlan]] = []
+        self._local_cache: list[tuple[Any, SavePlan, dict[MetadataIndex, Any]]] = []
         self._global_cache: list[tuple[list[SavePlan], list[str | None], list[SavePlan],
                                        Metadata]] = []
         # Rank side: the id of the plan sent in the last save whose planning reached this rank
@@ -381,19 +433,55 @@ class CkptSavePlanner(DefaultSavePlanner):
             paths = tuple(self.mappings.items()) if self.flatten_state_dict else None
             self._key = None if key is None else (self.is_coordinator, key, paths)
         if self._key is not None:
-            for i, (cached_key, cached_plan) in enumerate(self._local_cache):
+            for i, (cached_key, cached_plan, parents) in enumerate(self._local_cache):
                 if cached_key == self._key:
                     self._local_cache.insert(0, self._local_cache.pop(i))
                     self.local_plan_reuses += 1
                     self.plan = cached_plan
+                    self._parents = parents
                     return cached_plan
         plan: SavePlan = super().create_local_plan()
+        self._parents = {}
+        if self.chunk_bytes is not None:
+            plan = self._split(plan, self.chunk_bytes)
+            self.plan = plan
         if self._key is not None:
             plan = tagged_plan(plan, secrets.token_hex(8))
             self.plan = plan
-            self._local_cache.insert(0, (self._key, plan))
+            self._local_cache.insert(0, (self._key, plan, self._parents))
             del self._local_cache[_CACHED_PLANS:]
         return plan
+
+    def _split(self, plan: SavePlan, chunk_bytes: int) -> SavePlan:
+        """``plan`` with its large tensor items cut into row blocks (:func:`split_item`)."""
+        items: list[WriteItem] = []
+        for item in plan.items:
+            blocks = split_item(item, chunk_bytes)
+            if blocks is None:
+                items.append(item)
+                continue
+            assert item.tensor_data is not None, "split_item cuts tensor items only"
+            offsets = tuple(item.tensor_data.chunk.offsets)
+            for block in blocks:
+                self._parents[block.index] = (item.index, offsets)
+            items.extend(blocks)
+        return dataclasses.replace(plan, items=items)
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        """(all ranks) The data of a write item; a row block is a view of the tensor (or local
+        shard) it was cut from."""
+        parent = self._parents.get(write_item.index)
+        if parent is None:
+            data: torch.Tensor | io.BytesIO = super().resolve_data(write_item)
+            return data
+        index, offsets = parent
+        t = self.lookup_object(index)
+        assert isinstance(t, torch.Tensor) and write_item.tensor_data is not None, "row block"
+        chunk = write_item.tensor_data.chunk
+        start = chunk.offsets[0] - offsets[0]
+        if start or chunk.sizes[0] != t.shape[0]:
+            t = t.narrow(0, start, chunk.sizes[0])
+        return t
 
     def _global_plan(self, plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's global plan and metadata of deduplicated ``plans`` (its public helper, as its

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ckptmgr.codec.checksum import Hasher, checksum
-from ckptmgr.codec.layout import join
+from ckptmgr.codec.layout import is_shared_chunk_path, join
 from ckptmgr.codec.manifest import Manifest
 from ckptmgr.codec.metadata import ItemLocation
 from ckptmgr.codec.values import MAX_VALUE_BYTES, decode_value
@@ -200,6 +200,7 @@ class CkptStorageReader(StorageReader):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
+        state.pop("_shared", None)
         if self._standalone:
             state.pop("storage", None)  # opened again where it is unpickled, and read again
             state["_loaded"] = False
@@ -230,6 +231,7 @@ class CkptStorageReader(StorageReader):
             if url != self._url:
                 self._url = url
                 self.__dict__.pop("storage", None)
+                self.__dict__.pop("_shared", None)
             self._storage()
         if self._standalone:
             self._loaded = False
@@ -294,9 +296,37 @@ class CkptStorageReader(StorageReader):
                                 self.manifest.metadata_file)
         return loc  # type: ignore[no-any-return]
 
+    def _shared_storage(self) -> Storage:
+        """Where the shared chunks (``chunks/<hex>``, root-relative) of this step are: the
+        manager's root; for a standalone reader of ``<root>/<step>``, that URL's parent."""
+        if not self._standalone:
+            return self.storage
+        shared: Storage | None = self.__dict__.get("_shared")
+        if shared is None:
+            url = (self._url or "").rstrip("/")
+            parent, sep, _ = url.rpartition("/")
+            if not sep or not parent or parent.endswith(":/") or parent.endswith(":"):
+                raise CorruptCheckpointError(
+                    f"{self.url} references shared chunks of its root (saved with "
+                    "reuse_unchanged=True) but has no parent directory to find them in; read it "
+                    "as <root>/<step>, or copy it to stand alone with `ckptmgr cp`",
+                    step=self.manifest.step)
+            shared = self._shared = open_storage(parent, self._options, writable=False)
+        return shared
+
+    def _locate(self, file: str) -> tuple[Storage, str]:
+        """The storage and path of a file the metadata names: a shared chunk is root-relative,
+        anything else is in the step directory."""
+        if is_shared_chunk_path(file):
+            return self._shared_storage(), file
+        return self.storage, join(self.step_dir, file)
+
     def _check_sizes(self, files: set[str]) -> None:
-        listed = self.listed if self.listed is not None else self.storage.list_files(
-            self.step_dir)
+        listed = self.listed
+        if listed is None:
+            listed = self.storage.list_files(self.step_dir)
+            if any(is_shared_chunk_path(f) for f in files):
+                listed.update(StepStore(self._shared_storage()).shared_sizes())
         for f in sorted(files):
             try:
                 entry = self.manifest.file(f)
@@ -314,7 +344,8 @@ class CkptStorageReader(StorageReader):
             raise self._corrupt(f"checksum mismatch in the bytes of {fqn!r}", loc.file)
 
     def _read(self, loc: ItemLocation, buf: memoryview) -> None:
-        self.storage.read_into(join(self.step_dir, loc.file), loc.offset, buf)
+        storage, path = self._locate(loc.file)
+        storage.read_into(path, loc.offset, buf)
         self.bytes_read += len(buf)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -429,8 +460,7 @@ class CkptStorageReader(StorageReader):
                 raise Stopped
             reader = readers.get(batch_file)
             if reader is None:
-                reader = readers[batch_file] = _RangeReader(
-                    self.storage, join(self.step_dir, batch_file))
+                reader = readers[batch_file] = _RangeReader(*self._locate(batch_file))
             reader.readv_into(batch_start, [view for _, view, _ in batch])
             if self.verify:
                 for r, view, last in batch:

@@ -39,6 +39,7 @@ import dataclasses
 import io
 import logging
 import os
+import secrets
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -51,9 +52,23 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptmgr._version import __version__
-from ckptmgr.codec.checksum import Hasher, checksum
-from ckptmgr.codec.layout import data_file_name, join, metadata_file_name, parse_step_name
-from ckptmgr.codec.manifest import FileEntry, Manifest, utc_now_iso
+from ckptmgr.codec.checksum import Hasher, checksum, content_digest
+from ckptmgr.codec.layout import (
+    SHARED_DIR,
+    data_file_name,
+    join,
+    metadata_file_name,
+    parse_step_name,
+    shared_chunk_path,
+    shared_temp_path,
+)
+from ckptmgr.codec.manifest import (
+    FORMAT_VERSION,
+    SHARED_FORMAT_VERSION,
+    FileEntry,
+    Manifest,
+    utc_now_iso,
+)
 from ckptmgr.codec.metadata import ItemLocation
 from ckptmgr.codec.values import MAX_VALUE_BYTES, NotRepresentableError, encode_value
 from ckptmgr.config import check_flag
@@ -62,15 +77,26 @@ from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
 from ckptmgr.dcp.metadata import encode_metadata
 from ckptmgr.dcp.planner import item_bytes
 from ckptmgr.dcp.tensor_bytes import lower_thread_priority, tensor_memoryview
-from ckptmgr.errors import ConfigError, SaveError, UnsafeCheckpointError
+from ckptmgr.errors import ConfigError, SaveError, StorageError, UnsafeCheckpointError
 from ckptmgr.step_store import CommitPlan, StepStore, unfenced
-from ckptmgr.storage import Storage, VectoredWriter, is_url_supported, open_storage, redact_url
+from ckptmgr.storage import (
+    AtomicRename,
+    Storage,
+    VectoredWriter,
+    is_url_supported,
+    open_storage,
+    redact_url,
+)
 
-__all__ = ["DEFAULT_IO_NICE", "DEFAULT_NUM_THREADS", "CkptStorageWriter", "CommitPlan",
-           "EncodedValue", "encode_object"]
+__all__ = ["DEFAULT_IO_NICE", "DEFAULT_NUM_THREADS", "SHARE_MIN_BYTES", "CkptStorageWriter",
+           "CommitPlan", "EncodedValue", "encode_object"]
 
 log = logging.getLogger("ckptmgr")
 _FILE_MARK = "\x00ckptmgr-file:"
+_SHARED_MARK = "\x00ckptmgr-shared:"
+SHARE_MIN_BYTES = 16 << 10
+"""With ``reuse_unchanged=True``, tensor chunks of at least this many bytes go to shared chunks;
+smaller ones stay in the step's data file (a file of its own would cost more than its bytes)."""
 
 # Items up to _SMALL bytes are coalesced into one vectored write per _BATCH bytes (or _BATCH_ITEMS
 # items); larger ones are hashed and written in _PIECE pieces, so the write copies from cache.
@@ -204,6 +230,9 @@ class CkptStorageWriter(StorageWriter):
         self.is_coordinator = False
         self.manifest: Manifest | None = None
         self.bytes_written = 0
+        # This save's shared chunks (reuse on): digest -> (entry, written by this rank).
+        self._shared: dict[str, tuple[FileEntry, bool]] = {}
+        self._shared_lock = threading.Lock()
         if self._url is not None:
             self.storage = open_storage(self._url, self._options)
 
@@ -252,6 +281,8 @@ class CkptStorageWriter(StorageWriter):
         state = dict(self.__dict__)
         if self._standalone:
             state["storage"] = None
+        state["_shared"] = {}
+        state.pop("_shared_lock", None)  # a lock does not pickle; write_data makes a new one
         return state
 
     def _storage(self) -> Storage:
@@ -355,6 +386,10 @@ class CkptStorageWriter(StorageWriter):
         if not plan.items:
             fut.set_result([])
             return fut
+        self._shared = {}
+        self._shared_lock = threading.Lock()
+        if self.plan is not None and self.plan.reuse is not None:
+            self._storage().makedirs(SHARED_DIR)
         encoded: dict[MetadataIndex, tuple[bytes, str]] = {}
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
@@ -377,8 +412,68 @@ class CkptStorageWriter(StorageWriter):
             results.append(WriteResult(
                 index=MetadataIndex(f"{_FILE_MARK}{self.rank}:{index}"), size_in_bytes=entry.size,
                 storage_data=(self.rank, entry)))
+        written = [e for e, new in self._shared.values() if new]
+        if written and isinstance(self.storage, AtomicRename):
+            self.storage.fsync_dir(SHARED_DIR)  # the renamed chunks' names, before the commit
+        for digest, (entry, new) in self._shared.items():
+            self.bytes_written += entry.size if new else 0
+            results.append(WriteResult(
+                index=MetadataIndex(f"{_SHARED_MARK}{self.rank}:{digest}"),
+                size_in_bytes=entry.size if new else 0, storage_data=(self.rank, entry, new)))
         fut.set_result(results)
         return fut
+
+    def _share(self, mv: memoryview) -> tuple[str, str]:
+        """(stream thread) The shared chunk that holds ``mv``'s bytes, and their checksum: one
+        the save may reference (``plan.reuse``, listed when it began) is referenced, else it is
+        written. Decided by the xxh3-128 of the staged bytes, never by identity."""
+        assert self.plan is not None and self.plan.reuse is not None, "reuse is on"
+        digest = content_digest(mv)
+        path = shared_chunk_path(digest)
+        n = len(mv)
+        with self._shared_lock:
+            done = self._shared.get(digest)
+        if done is not None and done[0].size == n:  # the same bytes twice in this save
+            return path, done[0].checksum
+        known = self.plan.reuse.get(digest)
+        if known is not None and known[0] == n:
+            entry, new = FileEntry(path, n, known[1] or checksum(mv)), False
+        else:
+            entry, new = FileEntry(path, n, self._write_chunk(digest, mv)), True
+        with self._shared_lock:
+            self._shared.setdefault(digest, (entry, new))
+        return path, entry.checksum
+
+    def _write_chunk(self, digest: str, mv: memoryview) -> str:
+        """(stream thread) Write shared chunk ``digest`` atomically: under a temporary name,
+        made durable, then renamed into place (POSIX); on object stores the object appears
+        whole or not at all, and only chunks absent when the save began are written, so a
+        failed write never touches a chunk a committed step references. Returns the checksum."""
+        storage = self.storage
+        assert storage is not None, "write_data opened the storage"
+        final = shared_chunk_path(digest)
+        renames = storage if isinstance(storage, AtomicRename) else None
+        path = shared_temp_path(digest, secrets.token_hex(6)) if renames is not None else final
+        writer = storage.open_writer(path, size_hint=len(mv))
+        h = Hasher()
+        try:
+            for off in range(0, len(mv), _PIECE):
+                piece = mv[off:off + _PIECE]
+                h.update(piece)
+                writer.write(piece)
+            writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        if renames is not None:
+            try:
+                renames.rename(path, final)
+            except StorageError:
+                # Another rank put the same bytes in place first: theirs stand. This temporary
+                # file is removed by the clean-up after the commit (nothing else deletes).
+                if not (storage.exists(final) and storage.size(final) == len(mv)):
+                    raise
+        return h.value()
 
     def _write_stream(self, index: int, items: list[WriteItem], nbytes: int, planner: SavePlanner,
                       encoded: Mapping[MetadataIndex, tuple[bytes, str]],
@@ -436,6 +531,12 @@ class CkptStorageWriter(StorageWriter):
                     mv = tensor_memoryview(owner)
                     enc = "raw"
                 n = len(mv)
+                if (enc == "raw" and self.plan.reuse is not None and n >= SHARE_MIN_BYTES):
+                    shared_path, item_sum = self._share(mv)
+                    results.append(WriteResult(
+                        index=item.index, size_in_bytes=n,
+                        storage_data=ItemLocation(shared_path, 0, n, item_sum, enc)))
+                    continue
                 if n <= _SMALL:
                     item_sum = checksum(mv)
                     file_hash.update(mv)
@@ -499,10 +600,16 @@ class CkptStorageWriter(StorageWriter):
         assert p is not None and self.storage is not None, "the attempt is planned"
         locations: dict[MetadataIndex, ItemLocation] = {}
         files: list[FileEntry] = []
+        shared: dict[str, FileEntry] = {}
         bytes_per_rank: dict[int, int] = {r: 0 for r in range(p.world_size)}
         for rank_results in results:
             for wr in rank_results:
-                if wr.index.fqn.startswith(_FILE_MARK):
+                if wr.index.fqn.startswith(_SHARED_MARK):
+                    rank, entry, new = wr.storage_data
+                    shared.setdefault(entry.path, entry)
+                    if new:
+                        bytes_per_rank[rank] = bytes_per_rank.get(rank, 0) + entry.size
+                elif wr.index.fqn.startswith(_FILE_MARK):
                     rank, entry = wr.storage_data
                     if not entry.path.startswith(f"data-{p.attempt}-"):
                         # A rank wrote another attempt's files (a stale plan): committing would
@@ -527,6 +634,8 @@ class CkptStorageWriter(StorageWriter):
                       "python": sys.version.split()[0]},
             metrics=dict(p.metrics), metadata=dict(p.metadata), mesh=p.mesh,
             byteorder=sys.byteorder,
+            format_version=SHARED_FORMAT_VERSION if shared else FORMAT_VERSION,
+            shared=tuple(shared[k] for k in sorted(shared)),
         )
         StepStore(self.storage).commit(p, manifest, self.fence)
         self.manifest = manifest
