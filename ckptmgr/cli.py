@@ -36,7 +36,14 @@ from typing import Any, NoReturn, TextIO
 from ckptmgr import tools
 from ckptmgr._redact import redact, redact_url, register_options, register_url
 from ckptmgr._version import __version__
-from ckptmgr.codec.layout import MANIFEST_NAME, parse_staging_name, parse_step_name
+from ckptmgr.codec.layout import (
+    MANIFEST_NAME,
+    SHARED_DIR,
+    is_shared_chunk_name,
+    is_shared_chunk_path,
+    parse_staging_name,
+    parse_step_name,
+)
 from ckptmgr.errors import CheckpointNotFoundError, CkptmgrError, ConfigError, StorageError
 from ckptmgr.step_store import DCP_METADATA_NAME, is_our_file_name
 from ckptmgr.storage import lacks_credentials, open_storage, split_scheme
@@ -47,6 +54,8 @@ EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_CORRUPT = 3
+
+_SHOWN_CHUNKS = 10  # shared chunks ``inspect`` lists by name (--json lists every one)
 
 
 # C0 and C1 control characters (ESC starts terminal escape sequences; CR and BS overwrite what
@@ -273,6 +282,15 @@ def _check_root(args: argparse.Namespace, url: str, options: dict[str, Any] | No
             raise
         raise better from e
     name = url.rstrip("/").rpartition("/")[2]
+    if name == SHARED_DIR and any(is_shared_chunk_name(f) for f in files):
+        root = redact_url(_parent(url))
+        if args.command in ("cp", "import") and url != getattr(args, "src", None):
+            cmd = f"ckptmgr {args.command} {redact_url(args.src)} {root}"
+        else:
+            cmd = f"ckptmgr {args.command} {root}" + ("" if args.command == "ls" else " ...")
+        raise ConfigError(
+            f"{shown} is the directory of shared chunks (reuse_unchanged=True) of the checkpoint "
+            f"root {root}, not a checkpoint root: run `{cmd}`")
     step = parse_step_name(name)
     staged = parse_staging_name(name)
     ours = any(is_our_file_name(f) or f == DCP_METADATA_NAME for f in files)
@@ -309,14 +327,24 @@ def _cmd_ls(args: argparse.Namespace, out: _Out) -> int:
     if not entries:
         out.note(f"no checkpoints in {redact_url(args.url)}")
         return EXIT_OK
-    rows = [["STEP", "STATUS", "TIME (UTC)", "SIZE", "WORLD", "METRICS", "NOTE"]]
+    # Steps saved with reuse_unchanged reference shared chunks: a SHARED column, and what the
+    # chunks take once, appear only then (a root without them prints as before).
+    shared = any(e.shared_chunks for e in entries)
+    rows = [["STEP", "STATUS", "TIME (UTC)", "SIZE", *(["SHARED"] if shared else []), "WORLD",
+             "METRICS", "NOTE"]]
     for e in entries:
         note = e.error or ("" if e.name == str(e.step) else e.name)
         rows.append([str(e.step), e.status, _time(e.time), _human(e.total_bytes),
+                     *([_human(e.shared_bytes) if e.shared_chunks else "-"] if shared else []),
                      "-" if e.world_size is None else str(e.world_size),
                      _metrics(e.metrics) if e.committed else "-", note])
-    for row in _table(rows, right=(0, 3, 4)):
+    for row in _table(rows, right=(0, 3, 4, 5) if shared else (0, 3, 4)):
         out.line(row)
+    if shared:
+        use = tools.shared_usage(args.url, storage_options=args.options)
+        referenced = sum(e.shared_bytes for e in entries)
+        out.line(f"shared chunks: {use.chunks} in {SHARED_DIR}/, {_human(use.nbytes)} stored once "
+                 f"({_human(referenced)} referenced by the steps above)")
     return EXIT_OK
 
 
@@ -341,13 +369,23 @@ def _cmd_inspect(args: argparse.Namespace, out: _Out) -> int:
     out.line(f"files ({len(i.files)}, {_human(i.total_bytes)}):")
     for row in _table([[f.path, _human(f.size), f.checksum] for f in i.files], right=(1,)):
         out.line("  " + row)
+    if d.shared:  # a step saved with reuse_unchanged: bytes it shares with other steps
+        out.line(f"shared chunks ({len(d.shared)}, {_human(d.shared_bytes)}, under the root's "
+                 f"{SHARED_DIR}/):")
+        shown = d.shared[:_SHOWN_CHUNKS]
+        for row in _table([[f.path, _human(f.size), f.checksum] for f in shown], right=(1,)):
+            out.line("  " + row)
+        if len(d.shared) > len(shown):
+            out.line(f"  ... and {len(d.shared) - len(shown)} more (--json lists every one)")
     tbytes = sum(t.nbytes for t in d.tensors)
     out.line(f"tensors ({len(d.tensors)}, {_human(tbytes)}):")
     if d.tensors:
-        rows = [["NAME", "DTYPE", "SHAPE", "BYTES", "SHARDING"]]
-        rows += [[t.name, t.dtype, str(list(t.shape)), _human(t.nbytes), t.sharding]
+        extra = ["SHARED"] if d.shared else []
+        rows = [["NAME", "DTYPE", "SHAPE", "BYTES", *extra, "SHARDING"]]
+        rows += [[t.name, t.dtype, str(list(t.shape)), _human(t.nbytes),
+                  *([_human(t.shared_bytes)] if extra else []), t.sharding]
                  for t in d.tensors]
-        for row in _table(rows, right=(3,)):
+        for row in _table(rows, right=(3, 4) if extra else (3,)):
             out.line("  " + row)
     out.line(f"values ({len(d.values)}):")
     if d.values:
@@ -371,14 +409,28 @@ def _cmd_verify(args: argparse.Namespace, out: _Out) -> int:
         if not results:
             out.note(f"no committed steps to verify in {redact_url(args.url)}")
         for r in results:
+            shared = ""
+            if r.shared_chunks:
+                shared = (f"; {r.shared_chunks} shared chunks, {_human(r.shared_bytes)}"
+                          + (f", {r.shared_checked_before} of them checked above"
+                             if r.shared_checked_before else ""))
             if r.ok:
                 out.line(f"step {r.step}: ok ({r.files_checked} files, "
-                         f"{_human(r.bytes_checked)} read)")
+                         f"{_human(r.bytes_checked)} read{shared})")
             else:
                 out.line(f"step {r.step}: CORRUPT")
                 for p in r.problems:
                     out.line(f"  {p.path}: {p.reason}")
-    bad = [f"{r.step}/{f}" for r in results for f in r.corrupt_files]
+    # A shared chunk is the root's, not one step's: named once, with the steps that need it.
+    bad = [f"{r.step}/{f}" for r in results for f in r.corrupt_files
+           if not is_shared_chunk_path(f)]
+    users: dict[str, list[int]] = {}
+    for r in results:
+        for f in r.corrupt_files:
+            if is_shared_chunk_path(f):
+                users.setdefault(f, []).append(r.step)
+    bad += [f"{f} (step{'s' if len(steps) > 1 else ''} {', '.join(map(str, steps))})"
+            for f, steps in sorted(users.items())]
     if bad:
         shown = ", ".join(bad[:10]) + (f" and {len(bad) - 10} more" if len(bad) > 10 else "")
         out.note(f"error: corrupt files in {redact_url(args.url)}: {shown}")

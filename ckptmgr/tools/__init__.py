@@ -52,14 +52,20 @@ if TYPE_CHECKING:
         inspect_step,
         verify_steps,
     )
-    from ckptmgr.tools.listing import StepListing, format_bytes, list_steps
+    from ckptmgr.tools.listing import (
+        SharedUsage,
+        StepListing,
+        format_bytes,
+        list_steps,
+        shared_usage,
+    )
     from ckptmgr.tools.prune import PruneResult, prune_steps
 
 # Each name is imported from its module on first use (PEP 562): ``ckptmgr ls``, ``prune``, ``cp``,
 # ``inspect``, ``verify`` and ``--help`` start without torch (listing, prune, copy, inspect and
 # _common never import it; export and import do: they handle tensors).
 _MODULES = {
-    "listing": ("StepListing", "format_bytes", "list_steps"),
+    "listing": ("SharedUsage", "StepListing", "format_bytes", "list_steps", "shared_usage"),
     "copy": ("CopyResult", "copy_steps"),
     "ckptmgr.formats.plain_dcp": ("import_dcp",),
     "export": ("ExportResult", "HfExportResult", "export_hf", "export_step"),
@@ -91,6 +97,7 @@ __all__ = [
     "Problem",
     "Progress",
     "PruneResult",
+    "SharedUsage",
     "StepDetails",
     "StepListing",
     "StepVerification",
@@ -104,5 +111,6 @@ __all__ = [
     "inspect_step",
     "list_steps",
     "prune_steps",
+    "shared_usage",
     "verify_steps",
 ]

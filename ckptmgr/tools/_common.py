@@ -13,11 +13,14 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+import xxhash
+
 from ckptmgr.codec.dtypes import DTYPE_ITEMSIZE
-from ckptmgr.codec.layout import join
+from ckptmgr.codec.layout import is_shared_chunk_path, join, shared_chunk_digest
 from ckptmgr.errors import (
     StorageError,
 )
+from ckptmgr.step_store import StepStore
 from ckptmgr.storage import Storage, is_not_found
 from ckptmgr.tools.listing import format_bytes as format_bytes  # re-exported
 
@@ -31,11 +34,46 @@ if TYPE_CHECKING:
 _CHUNK = 16 * 1024 * 1024  # read buffer of verify and copy
 
 
-def _file_sizes(storage: Storage, step_dir: str, paths: Iterable[str]) -> dict[str, int | None]:
-    """Actual sizes of ``paths`` (relative to ``step_dir``); None for a missing file."""
+def stored_path(step_dir: str, name: str) -> str:
+    """Where a file that a step's manifest or metadata names lives, relative to the root: a
+    shared chunk (``chunks/<32 hex>``, ``reuse_unchanged=True``) is root-relative, any other
+    name is a file of the step directory."""
+    return name if is_shared_chunk_path(name) else join(step_dir, name)
+
+
+class DigestCheck:
+    """The xxh3-128 of a shared chunk's bytes, fed piece by piece, against the name it is stored
+    under: the chunk's name is that digest (:func:`ckptmgr.codec.checksum.content_digest`, of the
+    whole chunk at once), so bytes that do not match it are not the chunk the name promises."""
+
+    def __init__(self, path: str) -> None:
+        self.expected = shared_chunk_digest(path)
+        self._h = xxhash.xxh3_128()
+
+    def update(self, data: memoryview | bytes) -> None:
+        self._h.update(data)
+
+    def mismatch(self) -> str | None:
+        """None when the bytes fed match the name, else the reason."""
+        got = self._h.hexdigest()
+        if got == self.expected:
+            return None
+        return f"content does not match the chunk's name (its xxh3-128 is {got})"
+
+
+def _file_sizes(storage: Storage, step_dir: str, paths: Iterable[str],
+                shared: dict[str, int] | None = None) -> dict[str, int | None]:
+    """Actual sizes of ``paths`` (relative to ``step_dir``, or root-relative shared chunks);
+    None for a missing file. ``shared``: the root's shared chunks as listed already
+    (:meth:`~ckptmgr.step_store.StepStore.shared_sizes`), else listed here when one is asked."""
     listed = storage.list_files(step_dir)
     out: dict[str, int | None] = {}
     for p in paths:
+        if is_shared_chunk_path(p):
+            if shared is None:
+                shared = StepStore(storage).shared_sizes()
+            out[p] = shared.get(p)
+            continue
         if "/" not in p:
             out[p] = listed.get(p)
             continue

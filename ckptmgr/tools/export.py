@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ckptmgr.codec.checksum import checksum
-from ckptmgr.codec.layout import join, step_dir_name
+from ckptmgr.codec.layout import step_dir_name
 from ckptmgr.codec.manifest import Manifest
 from ckptmgr.codec.metadata import ItemLocation, MetadataDoc
 from ckptmgr.dcp.metadata import metadata_from_doc
@@ -37,6 +37,7 @@ from ckptmgr.tools._common import (
     _locations,
     _natural,
     _numel,
+    stored_path,
 )
 
 __all__ = ["HF_INDEX_NAME", "ExportResult", "HfExportResult", "export_hf", "export_step",
@@ -134,7 +135,8 @@ class _TensorSource:
         self.sdir = step_dir_name(step)
         self.manifest = manifest
         self.locs = _locations(doc)
-        self.sizes = {f.path: f.size for f in manifest.files}
+        # Own files and the shared chunks the step references (``chunks/<hex>``, root-relative).
+        self.sizes = {f.path: f.size for f in (*manifest.files, *manifest.shared)}
         self.prefix: str | None = None  # the prefix the tensors were selected by (_open_step)
         self.tops = _tensor_tops(md)  # top-level entries holding tensors
 
@@ -149,7 +151,7 @@ class _TensorSource:
             for c in meta.chunks:
                 if _numel(c.sizes):
                     files.add(self._loc(key, tuple(c.offsets)).file)
-        listed = {f.path: f.size for f in self.manifest.files}
+        listed = self.sizes
         sizes = _file_sizes(self.storage, self.sdir, sorted(files))
         for f in sorted(files):
             if f not in listed:
@@ -187,7 +189,7 @@ class _TensorSource:
         buf = torch.empty(sizes, dtype=dtype)
         view = tensor_memoryview(buf)
         if len(view):
-            self.storage.read_into(join(self.sdir, loc.file), loc.offset, view)
+            self.storage.read_into(stored_path(self.sdir, loc.file), loc.offset, view)
         if checksum(view) != loc.checksum:
             raise self._corrupt(loc.file, f"checksum mismatch in the bytes of {key!r}")
         return buf
@@ -344,15 +346,22 @@ def export_step(url: str, step: int | None, out: str | os.PathLike[str], *,
                     p.advance(t.out_nbytes)
             else:
                 w = PtWriter(f, "archive")
-                w.record("data.pkl", pt_data_pkl(planned))
-                w.record("byteorder", sys.byteorder.encode("ascii"))
-                for i, t in enumerate(planned):
-                    x = _converted(source, t)
-                    with w.tensor_record(f"data/{i}", x.numel() * x.element_size()) as rec:
-                        rec.write(tensor_memoryview(x))
-                    del x
-                    p.advance(t.out_nbytes)
-                w.record("version", b"3\n")
+                try:
+                    w.record("data.pkl", pt_data_pkl(planned))
+                    w.record("byteorder", sys.byteorder.encode("ascii"))
+                    for i, t in enumerate(planned):
+                        x = _converted(source, t)
+                        with w.tensor_record(f"data/{i}", x.numel() * x.element_size()) as rec:
+                            rec.write(tensor_memoryview(x))
+                        del x
+                        p.advance(t.out_nbytes)
+                    w.record("version", b"3\n")
+                except BaseException:
+                    # Closed after a failure too (a damaged chunk): a zip file left open writes
+                    # into the closed temporary file when it is collected (an unraisable error).
+                    with contextlib.suppress(Exception):
+                        w.close()
+                    raise
                 w.close()
             f.flush()
             os.fsync(f.fileno())

@@ -15,9 +15,10 @@ from ckptmgr.codec.checksum import Hasher
 from ckptmgr.codec.layout import (
     MANIFEST_NAME,
     check_step,
-    join,
+    is_shared_chunk_path,
     step_dir_name,
 )
+from ckptmgr.codec.manifest import FileEntry
 from ckptmgr.errors import (
     CheckpointNotFoundError,
     CkptmgrError,
@@ -31,11 +32,13 @@ from ckptmgr.step_store import StepStore, deleted_while_read
 from ckptmgr.storage import Storage, is_not_found, open_storage
 from ckptmgr.tools._common import (
     _CHUNK,
+    DigestCheck,
     _element_size,
     _file_sizes,
     _locations,
     _natural,
     _numel,
+    stored_path,
 )
 from ckptmgr.tools.listing import StepListing, list_steps
 
@@ -67,6 +70,8 @@ class TensorEntry:
         shape: the global shape.
         nbytes: bytes of the whole tensor.
         chunks: ``(offsets, sizes)`` of each stored chunk (one per shard; one for a whole tensor).
+        shared_bytes: bytes of its chunks stored in shared chunks of the root
+            (``reuse_unchanged=True``); the rest is in the step's own data files.
     """
 
     name: str
@@ -74,6 +79,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     nbytes: int
     chunks: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    shared_bytes: int = 0
 
     @property
     def sharding(self) -> str:
@@ -89,7 +95,8 @@ class TensorEntry:
         """A JSON-ready dict."""
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
                 "bytes": self.nbytes, "sharding": self.sharding,
-                "chunks": [{"offsets": list(o), "sizes": list(s)} for o, s in self.chunks]}
+                "chunks": [{"offsets": list(o), "sizes": list(s)} for o, s in self.chunks],
+                "shared_bytes": self.shared_bytes}
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,9 @@ class StepDetails:
         metadata_file: the JSON metadata file's name.
         tensors: every tensor, by name.
         values: every Python value, by name.
+        shared: the shared chunks the step references (``reuse_unchanged=True``; path
+            ``chunks/<32 hex>`` relative to the root, size, checksum); empty for a step that
+            holds all its bytes in its own directory.
     """
 
     url: str
@@ -124,6 +134,12 @@ class StepDetails:
     metadata_file: str
     tensors: tuple[TensorEntry, ...]
     values: tuple[ValueEntry, ...]
+    shared: tuple[FileEntry, ...] = ()
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the shared chunks the step references (its own are ``info.total_bytes``)."""
+        return sum(f.size for f in self.shared)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the ``inspect --json`` document)."""
@@ -138,6 +154,9 @@ class StepDetails:
                           for f in i.files],
                 "bytes_per_rank": {str(r): b for r, b in sorted(i.bytes_per_rank.items())},
                 "total_bytes": i.total_bytes,
+                "shared": [{"path": f.path, "size": f.size, "checksum": f.checksum}
+                           for f in self.shared],
+                "shared_bytes": self.shared_bytes,
             },
             "tensors": [t.to_json() for t in self.tensors],
             "values": [v.to_json() for v in self.values],
@@ -169,16 +188,23 @@ def inspect_step(url: str, step: int | None = None, *,
         raise
     tensors: list[TensorEntry] = []
     values: list[ValueEntry] = []
+    in_shared: dict[str, int] = {}  # tensor -> bytes of its chunks in shared chunks
+    if manifest.shared:
+        for fqn, offsets, where in md.locations():
+            if offsets is not None and is_shared_chunk_path(where.file):
+                in_shared[fqn] = in_shared.get(fqn, 0) + where.length
     for name in sorted([*md.tensors, *md.values], key=_natural):
         t = md.tensors.get(name)
         if t is not None:
             tensors.append(TensorEntry(name, t.dtype, t.size,
-                                       _numel(t.size) * _element_size(t.dtype), tuple(t.chunks)))
+                                       _numel(t.size) * _element_size(t.dtype), tuple(t.chunks),
+                                       in_shared.get(name, 0)))
         else:
             loc = md.location(name, None)
             values.append(ValueEntry(name, loc.enc if loc else "?", loc.length if loc else 0))
     return StepDetails(storage.url, StepInfo.from_manifest(manifest), manifest.attempt,
-                       manifest.metadata_file, tuple(tensors), tuple(values))
+                       manifest.metadata_file, tuple(tensors), tuple(values),
+                       tuple(manifest.shared))
 
 
 @dataclass(frozen=True)
@@ -199,15 +225,26 @@ class StepVerification:
 
     Attributes:
         step: the step.
-        files_checked: files whose bytes were read and hashed.
-        bytes_checked: bytes read.
-        problems: every damaged file, with the reason; empty when the step is intact.
+        files_checked: files of the step directory whose bytes were read and hashed.
+        bytes_checked: bytes read for this step (its files, and the shared chunks no earlier
+            step of the same run had read).
+        problems: every damaged file, with the reason; empty when the step is intact. A
+            damaged shared chunk (path ``chunks/<32 hex>``, relative to the root) is reported
+            against every step that references it.
+        shared_chunks: shared chunks the step references (``reuse_unchanged=True``); each is
+            checked (exists, size, checksum, content matching its name, item checksums).
+        shared_bytes: their bytes.
+        shared_checked_before: how many of them an earlier step of the same run had checked
+            already (not read again; their verdict is repeated here).
     """
 
     step: int
     files_checked: int
     bytes_checked: int
     problems: tuple[Problem, ...]
+    shared_chunks: int = 0
+    shared_bytes: int = 0
+    shared_checked_before: int = 0
 
     @property
     def ok(self) -> bool:
@@ -216,18 +253,22 @@ class StepVerification:
 
     @property
     def corrupt_files(self) -> list[str]:
-        """Paths (relative to the step directory) of the damaged files, each once."""
+        """Paths of the damaged files, each once: relative to the step directory, or to the
+        root for a shared chunk (``chunks/<32 hex>``)."""
         return sorted({p.path for p in self.problems})
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return {"step": self.step, "ok": self.ok, "files_checked": self.files_checked,
                 "bytes_checked": self.bytes_checked, "corrupt_files": self.corrupt_files,
-                "problems": [p.to_json() for p in self.problems]}
+                "problems": [p.to_json() for p in self.problems],
+                "shared_chunks": self.shared_chunks, "shared_bytes": self.shared_bytes,
+                "shared_checked_before": self.shared_checked_before}
 
 
 # Problems that mean "a file is gone": damage, unless the whole step went (deleted_while_read).
-_VANISHED = frozenset({"file is missing", "file disappeared while being read"})
+_CHUNK_MISSING = "shared chunk is missing"
+_VANISHED = frozenset({"file is missing", "file disappeared while being read", _CHUNK_MISSING})
 
 
 class _RangeHashes:
@@ -256,22 +297,76 @@ class _RangeHashes:
                 if h.value() != loc.checksum]
 
 
-def _verify_one(storage: Storage, step: int, p: Progress) -> StepVerification:
+@dataclass
+class _ChunkVerdict:
+    """What re-reading one shared chunk found: kept for the run, so a chunk that several steps
+    reference is read once and its damage reported against each of them."""
+
+    reasons: list[str]
+    ranges: set[tuple[int, int, str]]  # (offset, length, checksum) of the items checked there
+    nbytes: int  # bytes read
+
+
+class _SharedChunks:
+    """The shared chunks of one root during one verify run: listed once, each read once."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+        self._sizes: dict[str, int] | None = None
+        self.verdicts: dict[str, _ChunkVerdict] = {}
+
+    def sizes(self) -> dict[str, int]:
+        if self._sizes is None:
+            self._sizes = StepStore(self.storage).shared_sizes()
+        return self._sizes
+
+
+def _read_and_hash(storage: Storage, path: str, size: int, buf: bytearray, p: Progress,
+                   ranges: _RangeHashes, digest: DigestCheck | None) -> tuple[str, int]:
+    """(whole-file checksum, bytes read) of ``path``, its item ranges fed on the way.
+
+    Raises:
+        StorageError: reading failed (not-found: the file disappeared while being read).
+    """
+    hasher = Hasher()
+    pos = 0
+    while pos < size:
+        n = min(len(buf), size - pos)
+        view = memoryview(buf)[:n]
+        storage.read_into(path, pos, view)
+        hasher.update(view)
+        ranges.update(pos, view)
+        if digest is not None:
+            digest.update(view)
+        pos += n
+        p.advance(n)
+    return hasher.value(), pos
+
+
+def _verify_one(storage: Storage, step: int, p: Progress,
+                shared: _SharedChunks | None = None) -> StepVerification:
     """Re-read ``step``; raises CheckpointNotFoundError when it was deleted (or replaced) while
-    it was read: that is not damage."""
+    it was read: that is not damage. ``shared``: the run's shared chunks (a chunk another step
+    of the run referenced is not read again)."""
     sdir = step_dir_name(step)
+    shared = shared if shared is not None else _SharedChunks(storage)
     try:
         manifest, _ = StepStore(storage).read_manifest_bytes(step)
     except (CorruptCheckpointError, UnsafeCheckpointError) as e:
         # A manifest naming a path outside the step (``../../etc/passwd``) is damage too.
         return StepVerification(step, 0, 0, (Problem(MANIFEST_NAME, str(e)),))
     problems: list[Problem] = []
+    entries = [*manifest.files, *manifest.shared]
     sizes = _file_sizes(storage, sdir, [f.path for f in manifest.files])
+    if manifest.shared:
+        chunk_sizes = shared.sizes()
+        sizes.update({f.path: chunk_sizes.get(f.path) for f in manifest.shared})
     readable = []
-    for f in manifest.files:
+    for f in entries:
         actual = sizes[f.path]
         if actual is None:
-            problems.append(Problem(f.path, "file is missing"))
+            problems.append(Problem(f.path, _CHUNK_MISSING if is_shared_chunk_path(f.path)
+                                    else "file is missing"))
         elif actual != f.size:
             problems.append(Problem(f.path, f"size is {actual} bytes, the manifest says {f.size}"))
         else:
@@ -285,7 +380,7 @@ def _verify_one(storage: Storage, step: int, p: Progress) -> StepVerification:
         except (CorruptCheckpointError, UnsafeCheckpointError) as e:
             problems.append(Problem(md_name, str(e).split(": ", 2)[-1]))
         else:
-            listed = {f.path: f.size for f in manifest.files}
+            listed = {f.path: f.size for f in entries}
             for (fqn, _off), loc in _locations(md).items():
                 if loc.file not in listed:
                     problems.append(Problem(md_name, f"{fqn!r} is stored in {loc.file!r}, which "
@@ -295,39 +390,55 @@ def _verify_one(storage: Storage, step: int, p: Progress) -> StepVerification:
                 else:
                     by_file.setdefault(loc.file, []).append((fqn, loc))
     nbytes = 0
+    files_checked = 0
+    cached = 0
     buf = bytearray(min(_CHUNK, max((f.size for f in readable), default=0)))
     for f in readable:
-        path = join(sdir, f.path)
-        hasher = Hasher()
-        ranges = _RangeHashes(by_file.get(f.path, []))
-        pos = 0
+        items = by_file.get(f.path, [])
+        is_shared = is_shared_chunk_path(f.path)
+        if is_shared:
+            seen = shared.verdicts.get(f.path)
+            want = {(loc.offset, loc.length, loc.checksum) for _, loc in items}
+            if seen is not None and want <= seen.ranges:
+                cached += 1
+                problems.extend(Problem(f.path, r) for r in seen.reasons)
+                continue
+        else:
+            files_checked += 1
+        ranges = _RangeHashes(items)
+        digest = DigestCheck(f.path) if is_shared else None
         try:
-            while pos < f.size:
-                n = min(len(buf), f.size - pos)
-                view = memoryview(buf)[:n]
-                storage.read_into(path, pos, view)
-                hasher.update(view)
-                ranges.update(pos, view)
-                pos += n
-                nbytes += n
-                p.advance(n)
+            value, n = _read_and_hash(storage, stored_path(sdir, f.path), f.size, buf, p,
+                                      ranges, digest)
         except StorageError as e:
             if not is_not_found(e):
                 raise  # an I/O failure is an error, not a verdict on the checkpoint
             problems.append(Problem(f.path, "file disappeared while being read"))
             continue
-        if hasher.value() != f.checksum:
-            problems.append(Problem(f.path, f"checksum is {hasher.value()}, the manifest says "
-                                            f"{f.checksum}"))
+        nbytes += n
+        reasons: list[str] = []
+        if value != f.checksum:
+            reasons.append(f"checksum is {value}, the manifest says {f.checksum}")
+        elif digest is not None and (wrong := digest.mismatch()) is not None:
+            reasons.append(wrong)
         bad = ranges.mismatches()
         if bad:
             shown = ", ".join(repr(b) for b in bad[:5]) + (", ..." if len(bad) > 5 else "")
-            problems.append(Problem(f.path, f"item checksum mismatch in {shown}"))
+            reasons.append(f"item checksum mismatch in {shown}")
+        problems.extend(Problem(f.path, r) for r in reasons)
+        if is_shared:
+            good = {(loc.offset, loc.length, loc.checksum) for _, loc in items} if not bad else (
+                set())
+            shared.verdicts[f.path] = _ChunkVerdict(reasons, good, n)
     if any(pr.reason in _VANISHED for pr in problems):
         gone = deleted_while_read(StepStore(storage), step, manifest.attempt)
         if gone is not None:  # retention of a job writing the root: not damage
             raise gone
-    return StepVerification(step, len(readable), nbytes, tuple(problems))
+    # A damaged chunk is kept in the run's verdicts only by its reasons, so the next step that
+    # references it reports it too (its ranges are re-checked when they differ).
+    return StepVerification(step, files_checked, nbytes, tuple(problems),
+                            shared_chunks=len(manifest.shared),
+                            shared_bytes=manifest.shared_bytes, shared_checked_before=cached)
 
 
 def verify_steps(url: str, steps: Sequence[int | None] | None = None, *, all_steps: bool = False,
@@ -375,14 +486,19 @@ def verify_steps(url: str, steps: Sequence[int | None] | None = None, *, all_ste
             chosen.append(s)
         chosen = sorted(set(chosen))
     total = 0
+    chunks: dict[str, int] = {}  # a chunk several steps reference is read once
     for s in chosen:
         with contextlib.suppress(CkptmgrError):
-            total += StepStore(storage).read_manifest_bytes(s)[0].total_bytes
+            m = StepStore(storage).read_manifest_bytes(s)[0]
+            total += m.total_bytes
+            chunks.update((f.path, f.size) for f in m.shared)
+    total += sum(chunks.values())
     results: list[StepVerification] = []
+    shared = _SharedChunks(storage)
     with phase(progress, total, "verify") as p:
         for s in chosen:
             try:
-                results.append(_verify_one(storage, s, p))
+                results.append(_verify_one(storage, s, p, shared))
             except CheckpointNotFoundError as e:
                 if not all_steps:
                     raise

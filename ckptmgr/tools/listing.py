@@ -16,7 +16,7 @@ from ckptmgr.errors import (
 from ckptmgr.step_store import DCP_METADATA_NAME, StepStore
 from ckptmgr.storage import open_storage
 
-__all__ = ["StepListing", "format_bytes", "list_steps"]
+__all__ = ["SharedUsage", "StepListing", "format_bytes", "list_steps", "shared_usage"]
 
 
 def format_bytes(n: float) -> str:
@@ -43,10 +43,15 @@ class StepListing:
             ``"dcp"`` (written by plain DCP: torch_xla, torchtitan; restorable with
             ``trusted=True``, never written or deleted by ckptmgr).
         time: commit time (UTC ISO 8601), None unless the manifest was read.
-        total_bytes: bytes of the step's files (manifest's sum, else the listed files).
+        total_bytes: bytes of the step's own files, in its directory (manifest's sum, else the
+            listed files).
         world_size: ranks that saved it, when known.
         metrics: the metrics saved with it.
         error: why the manifest is unreadable, else None.
+        shared_bytes: bytes of the shared chunks the step references (``reuse_unchanged=True``:
+            stored once under the root's ``chunks/``, possibly shared with other steps); a
+            restore reads ``total_bytes + shared_bytes``.
+        shared_chunks: how many shared chunks it references.
     """
 
     name: str
@@ -58,13 +63,16 @@ class StepListing:
     world_size: int | None
     metrics: Mapping[str, float] = field(default_factory=dict)
     error: str | None = None
+    shared_bytes: int = 0
+    shared_chunks: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (the ``ls --json`` object)."""
         return {"step": self.step, "name": self.name, "committed": self.committed,
                 "status": self.status, "time": self.time, "total_bytes": self.total_bytes,
                 "world_size": self.world_size, "metrics": dict(self.metrics),
-                "error": self.error}
+                "error": self.error, "shared_bytes": self.shared_bytes,
+                "shared_chunks": self.shared_chunks}
 
 
 def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None,
@@ -106,7 +114,8 @@ def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None,
                                        {}, str(e)))
                 continue
             out.append(StepListing(entry.name, step, True, "committed", m.time, m.total_bytes,
-                                   m.world_size, dict(m.metrics)))
+                                   m.world_size, dict(m.metrics), shared_bytes=m.shared_bytes,
+                                   shared_chunks=len(m.shared)))
         elif step is not None or staged is not None:
             s = step if step is not None else staged[0]  # type: ignore[index]
             files = storage.list_files(entry.name)
@@ -115,3 +124,27 @@ def list_steps(url: str, *, storage_options: Mapping[str, Any] | None = None,
                                    sum(files.values()), None))
     out.sort(key=lambda s: (s.step, not s.committed, s.name))
     return out
+
+
+@dataclass(frozen=True)
+class SharedUsage:
+    """The shared chunks under a root's ``chunks/`` (``reuse_unchanged=True``), as listed now.
+
+    Attributes:
+        chunks: how many there are (temporary files of writes in flight left out).
+        nbytes: their bytes: what the root holds once, whatever the number of steps sharing it.
+    """
+
+    chunks: int
+    nbytes: int
+
+
+def shared_usage(url: str, *, storage_options: Mapping[str, Any] | None = None) -> SharedUsage:
+    """What the root's shared chunks take (one listing of ``chunks/``; nothing else is read).
+
+    Raises:
+        ConfigError, BackendNotInstalledError: a bad URL.
+        StorageError: listing failed.
+    """
+    sizes = StepStore(open_storage(url, storage_options, writable=False)).shared_sizes()
+    return SharedUsage(len(sizes), sum(sizes.values()))
