@@ -104,3 +104,48 @@ def plain_dcp_save(state: dict[str, Any], path: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that it runs without a process group
         dcp.save(state, checkpoint_id=path, no_dist=True)
+
+
+REUSE_STEPS = (10, 20, 30, 40)
+"""The steps of :func:`save_reuse_root`: 10 saved without reuse, the others with it."""
+
+
+def reuse_state(step: int) -> dict[str, Any]:
+    """A state for ``reuse_unchanged=True``: a frozen base (6 MiB, two shared row blocks of the
+    same bytes at every step), a trained adapter that changes every step (one shared chunk), a
+    bias too small to share (in the step's own data file) and a Python value."""
+    base = torch.Generator().manual_seed(0)
+    trained = torch.Generator().manual_seed(step)
+    return {
+        "model": {"base.weight": torch.randn(3072, 512, generator=base),
+                  "adapter.weight": torch.randn(64, 64, generator=trained),
+                  "adapter.bias": torch.randn(8, generator=trained)},
+        "extra": {"step": step},
+    }
+
+
+def save_reuse_root(root: str) -> None:
+    """A mixed root: step 10 without reuse, then 20, 30 and 40 with ``reuse_unchanged=True``
+    (each references the base's two chunks and its own adapter chunk)."""
+    from ckptmgr import CheckpointManager
+
+    with CheckpointManager(root, save_interval=10) as mgr:
+        mgr.save(REUSE_STEPS[0], reuse_state(REUSE_STEPS[0]))
+    with CheckpointManager(root, save_interval=10, reuse_unchanged=True) as mgr:
+        for step in REUSE_STEPS[1:]:
+            mgr.save(step, reuse_state(step))
+
+
+def assert_reuse_restores(root: str, step: int) -> None:
+    """Step ``step`` of ``root`` (a :func:`save_reuse_root` step, or a copy of one) restores
+    bit-exact, read by a reader with checksums verified."""
+    from ckptmgr import CheckpointManager
+
+    want = reuse_state(step)
+    target = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()},
+              "extra": {"step": -1}}
+    with CheckpointManager(root, save_interval=1, read_only=True) as mgr:
+        mgr.restore(step, target)
+    for k, v in want["model"].items():
+        assert torch.equal(target["model"][k], v), (step, k)
+    assert target["extra"] == want["extra"]

@@ -12,10 +12,15 @@ from typing import Any
 
 import pytest
 import torch
-from _checkpoints import flip_byte
+from _checkpoints import (
+    REUSE_STEPS,
+    assert_reuse_restores,
+    flip_byte,
+    reuse_state,
+    save_reuse_root,
+)
 
 from ckptmgr import (
-    CheckpointManager,
     CorruptCheckpointError,
     UnsafeCheckpointError,
     tools,
@@ -24,50 +29,13 @@ from ckptmgr.codec.layout import SHARED_DIR, is_shared_chunk_path
 from ckptmgr.step_store import StepStore
 from ckptmgr.storage import open_storage
 
-STEPS = (10, 20, 30, 40)  # 10 without reuse; 20, 30 and 40 with it
-
-
-def reuse_state(step: int) -> dict[str, Any]:
-    """A frozen base (6 MiB: two shared row blocks) and a trained adapter that changes every step,
-    a small bias (kept in the step's own data file) and Python values."""
-    base = torch.Generator().manual_seed(0)
-    trained = torch.Generator().manual_seed(step)
-    return {
-        "model": {"base.weight": torch.randn(3072, 512, generator=base),
-                  "adapter.weight": torch.randn(64, 64, generator=trained),
-                  "adapter.bias": torch.randn(8, generator=trained)},
-        "extra": {"step": step},
-    }
-
-
-def zeros_like(state: dict[str, Any]) -> dict[str, Any]:
-    return {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
-            "extra": {"step": -1}}
-
-
-def assert_restores(root: str, step: int) -> None:
-    """``step`` of ``root`` restores bit-exact (a reader, checksums verified)."""
-    target = zeros_like(reuse_state(step))
-    with CheckpointManager(root, save_interval=1, read_only=True) as mgr:
-        mgr.restore(step, target)
-    want = reuse_state(step)
-    for k, v in want["model"].items():
-        assert torch.equal(target["model"][k], v), (step, k)
-    assert target["extra"] == want["extra"]
-
-
-def build_root(root: str) -> None:
-    with CheckpointManager(root, save_interval=10) as mgr:
-        mgr.save(10, reuse_state(10))
-    with CheckpointManager(root, save_interval=10, reuse_unchanged=True) as mgr:
-        for step in STEPS[1:]:
-            mgr.save(step, reuse_state(step))
+STEPS = REUSE_STEPS
 
 
 @pytest.fixture(scope="module")
 def template(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = str(tmp_path_factory.mktemp("reuse") / "run")
-    build_root(root)
+    save_reuse_root(root)
     return root
 
 
@@ -189,7 +157,7 @@ def test_copy_of_a_reuse_step_stands_alone(ckpt: str, tmp_path: Path) -> None:
     assert sorted(os.listdir(os.path.join(dst, SHARED_DIR))) == sorted(
         f.path.rpartition("/")[2] for f in m.shared)
     shutil.rmtree(ckpt)  # nothing of the source is needed any more
-    assert_restores(dst, 30)
+    assert_reuse_restores(dst, 30)
     assert all(r.ok for r in tools.verify_steps(dst, all_steps=True))
 
 
@@ -201,7 +169,7 @@ def test_copy_shares_chunks_the_destination_holds(ckpt: str, tmp_path: Path) -> 
     assert results[10].shared_copied == results[10].shared_present == 0
     assert (results[30].shared_copied, results[30].shared_present) == (1, 2)
     for s in STEPS:
-        assert_restores(dst, s)
+        assert_reuse_restores(dst, s)
 
 
 def test_copy_with_a_missing_source_chunk_commits_nothing(ckpt: str, tmp_path: Path) -> None:
@@ -248,7 +216,7 @@ def test_prune_keeps_every_chunk_a_kept_step_needs(ckpt: str) -> None:
     assert real.to_json()["removed_chunks"] == list(real.removed_chunks)
     assert sorted(os.listdir(os.path.join(ckpt, SHARED_DIR))) == sorted(
         f.path.rpartition("/")[2] for f in m[40].shared)
-    assert_restores(ckpt, 40)
+    assert_reuse_restores(ckpt, 40)
 
 
 def test_prune_incomplete_removes_unreferenced_chunks(ckpt: str) -> None:
@@ -264,7 +232,7 @@ def test_prune_incomplete_removes_unreferenced_chunks(ckpt: str) -> None:
     assert r.removed_chunk_bytes == 107
     assert os.path.exists(foreign)  # never ours: never removed
     for s in STEPS:
-        assert_restores(ckpt, s)
+        assert_reuse_restores(ckpt, s)
 
 
 def test_export_of_a_reuse_step(template: str, tmp_path: Path) -> None:
