@@ -155,6 +155,8 @@ class SavePath:
             AsyncSaveError: the background save failed; its original error is ``__cause__``.
         """
         err = self._queue.wait()
+        if self._local is not None:  # and for the peer replica transfer it started
+            self._local.wait_replicas()
         inflight, self._inflight_step = self._inflight_step, None
         if err is not None:
             # An error without a step of its own (a LeaseError of the fence) names the step in

@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -43,7 +44,7 @@ import torch
 from ckptmgr._dist import Comm
 from ckptmgr.codec.checksum import Hasher
 from ckptmgr.codec.layout import join, new_attempt_id, step_dir_name
-from ckptmgr.codec.manifest import Manifest
+from ckptmgr.codec.manifest import Manifest, decode_manifest
 from ckptmgr.config import ManagerConfig
 from ckptmgr.dcp import shards
 from ckptmgr.dcp.checkpoint import (
@@ -65,6 +66,7 @@ from ckptmgr.errors import (
 )
 from ckptmgr.info import StepInfo
 from ckptmgr.lease import Lease
+from ckptmgr.replicas import Receiver, Replicator, Sender, exchange, node_id, plan_holders
 from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import open_storage
 
@@ -124,6 +126,12 @@ class _Held:
     save: str | None = None
 
 
+# What one rank reports: its own steps, and the replicas it holds as (source rank, step).
+_Report = tuple[list[_Held], list[tuple[int, _Held]]]
+REPLICAS_DIR = "replicas"
+"""Sub-directory of a rank's own directory holding its replicas: ``replicas/rank-<src>/<step>``."""
+
+
 def check_local_path(cfg: ManagerConfig) -> None:
     """Check ``local_path`` before anything is written (the constructor calls this first).
 
@@ -175,11 +183,28 @@ class LocalTier:
         self._num_saves = 0
         self.last_failure: str | None = None  # why the last restore of a step fell back
         self.last_failure_touched = False  # whether that restore had written into the target
+        # Peer replicas (docs/multitier.md "Peer replicas"); a reader never writes or heals, so
+        # it ignores them.
+        self.replicas = 0 if cfg.read_only else cfg.local.replicas
+        self.holders: list[list[int]] = [[] for _ in range(self.world_size)]  # by source rank
+        self._replicator: Replicator | None = None
+        self._rep_stores: dict[int, StepStore] = {}  # source rank -> its replicas held here
+        self._rep_saves: dict[tuple[int, int], str | None] = {}  # verified (src, step) -> save
+        # Agreed: step -> source rank -> the other ranks holding a verified copy of its part.
+        self._holders_of: dict[int, dict[int, list[int]]] = {}
+        self._void: set[int] = set()  # agreed on every rank: not whole, whatever anyone holds
+        self._borrowed: dict[int, Manifest] = {}  # whole steps this rank holds no own copy of
+        self.replica_bytes_sent = 0  # bytes this rank sent to its holders (measurements)
 
     @classmethod
-    def open(cls, cfg: ManagerConfig, comm: Comm) -> LocalTier:
+    def open(cls, cfg: ManagerConfig, comm: Comm,
+             replica_comm: Callable[[], Comm] | None = None) -> LocalTier:
         """(collective) Open this rank's directory (taking its writer lease unless read-only),
         verify every committed local step (sizes and checksums) and agree on the whole ones.
+
+        With ``local_replicas`` > 0 it also verifies the replicas this rank holds (they count
+        towards whole steps), places the holders of each rank's part by node, and makes the
+        transfer thread's own group with ``replica_comm`` (collective, every rank alike).
 
         Raises:
             LeaseError, StorageError, ConfigError: on any rank, raised on every rank.
@@ -187,20 +212,96 @@ class LocalTier:
         tier = cls(cfg, comm)
         try:
             held = comm.agree(tier._open_and_verify)
-            tier._session = comm.broadcast(new_attempt_id())
+            # The coordinator's clock leads the token: of two saves of one step that are both
+            # whole (a node back with a stale directory), the newer one is chosen.
+            tier._session = comm.broadcast(f"{time.time_ns():x}.{new_attempt_id()}")
+            gathered: list[_Report] = comm.all_gather(held)
+            tier._agreed_saves, tier._holders_of = _whole(gathered, comm.world_size)
+            tier.steps = sorted(tier._agreed_saves)
+            if tier.replicas:
+                tier._open_replicas(comm, gathered, replica_comm)
         except BaseException:
             tier.close()
             raise
-        tier._agreed_saves = _whole(comm.all_gather(held), comm.world_size)
-        tier.steps = sorted(tier._agreed_saves)
-        lost = sorted({h.step for h in held} - set(tier.steps))
+        lost = sorted({h.step for h in held[0]} - set(tier.steps))
         if lost:
             log.warning("local tier %s: steps %s are not whole on every rank (a replaced node, "
                         "or a corrupt or unfinished save): not restorable from the local tier",
                         tier.root, lost)
         return tier
 
-    def _open_and_verify(self) -> list[_Held]:
+    def _open_replicas(self, comm: Comm, gathered: list[_Report],
+                       replica_comm: Callable[[], Comm] | None) -> None:
+        """(collective) Place the holders by node, start the transfer thread's group, and borrow
+        a manifest of every whole step this rank holds no own copy of (for :meth:`step_info`)."""
+        nodes: list[str] = comm.all_gather(node_id())
+        self.holders = plan_holders(nodes, self.replicas)
+        placed = len(self.holders[0])
+        if placed < self.replicas:
+            log.warning("local_replicas=%d but the job spans %d node(s) (GROUP_RANK, else the "
+                        "host name): each local step is held on %d other node(s); replicas are "
+                        "never placed on a rank's own node", self.replicas, len(set(nodes)),
+                        placed)
+        if placed and replica_comm is not None:
+            self._replicator = Replicator(replica_comm())
+        # The lowest rank holding a verified copy of any part lends its manifest to the ranks
+        # that hold none of their own (a replaced node, before its restore heals it).
+        needed = {s for s in self.steps for r, (own, _) in enumerate(gathered)
+                  if not any(h.ok and h.step == s and h.save == self._agreed_saves[s]
+                             for h in own)}
+        lend: dict[int, bytes] = {}
+        for s in sorted(needed):
+            lender = min(r for r, (own, reps) in enumerate(gathered)
+                         if any(h.ok and h.step == s for h in own)
+                         or any(h.ok and h.step == s for _, h in reps))
+            store = self._copy_store(s) if lender == self.rank else None
+            try:
+                if store is not None:
+                    lend[s] = store.read_manifest_bytes(s)[1]
+            except (CkptmgrError, StorageError) as e:  # step_info of it then fails there only
+                log.warning("local tier %s: cannot read step %d's manifest: %s", self.root, s, e)
+        for lent in comm.all_gather(lend):
+            for s, raw in lent.items():
+                if s not in self._borrowed and s not in self._own_agreed():
+                    self._borrowed[s] = decode_manifest(raw, expected_step=s)
+
+    def _own_agreed(self) -> set[int]:
+        return {s for s in self.steps if s not in self._bad
+                and self._saves.get(s, "-") == self._agreed_saves.get(s)}
+
+    def _copy_store(self, step: int) -> StepStore | None:
+        """A store of this rank holding a verified copy of whole ``step`` (its own first)."""
+        if step in self._own_agreed():
+            return self.store
+        for src, store in sorted(self._rep_stores.items()):
+            if self._rep_saves.get((src, step), "-") == self._agreed_saves.get(step):
+                return store
+        return None
+
+    def _rep_store(self, src: int) -> StepStore:
+        """The store of the replicas of rank ``src``'s part held here (fenced by our lease)."""
+        store = self._rep_stores.get(src)
+        if store is None:
+            path = os.path.join(self.root, REPLICAS_DIR, f"rank-{src}")
+            store = StepStore(open_storage(path, writable=not self._read_only),
+                              fence=self.lease.check if self.lease is not None else None)
+            self._rep_stores[src] = store
+        return store
+
+    def _replica_sources(self) -> list[int]:
+        """Source ranks whose replica directories exist here (any number: a directory of an
+        earlier world size is listed, and deleted by retention since nothing in it verifies)."""
+        base = os.path.join(self.root, REPLICAS_DIR)
+        try:
+            names = os.listdir(base)
+        except FileNotFoundError:
+            return sorted(self._rep_stores)
+        found = {int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit()
+                 and not os.path.islink(os.path.join(base, n))
+                 and os.path.isdir(os.path.join(base, n))}
+        return sorted(found | set(self._rep_stores))
+
+    def _open_and_verify(self) -> _Report:
         if not self._read_only:
             try:
                 os.makedirs(self.root, exist_ok=True)
@@ -218,17 +319,32 @@ class LocalTier:
             held.append(_Held(step, ok, self._saves.get(step)))
             if not ok:
                 self._bad.add(step)
-        return held
+        reps: list[tuple[int, _Held]] = []
+        for src in self._replica_sources() if self.replicas else ():
+            store = self._rep_store(src)
+            for step in store.scan().committed:
+                ok, save = self._verify_in(store, step, src)
+                if ok:
+                    self._rep_saves[(src, step)] = save
+                reps.append((src, _Held(step, ok, save)))
+        return held, reps
 
     def _verifies(self, step: int) -> bool:
         """Whether this rank's copy of ``step`` is ours, for this rank and world size, and every
         file has the size and checksum of the manifest (reads every byte). Records its save id."""
         assert self.store is not None
+        ok, save = self._verify_in(self.store, step, self.rank)
+        if ok:
+            self._saves[step] = save
+        return ok
+
+    def _verify_in(self, store: StepStore, step: int, owner: int) -> tuple[bool, str | None]:
+        """Whether ``store``'s copy of ``step`` is rank ``owner``'s part for this world size and
+        every file has the size and checksum of the manifest (reads every byte); its save id."""
         try:
-            m = self.store.read_manifest(step)
-            save = self._check_owner(m).get("save")
-            self._saves[step] = save if isinstance(save, str) else None
-            storage, sdir = self.store.storage, step_dir_name(step)
+            m = store.read_manifest(step)
+            save = self._check_owner(m, owner).get("save")
+            storage, sdir = store.storage, step_dir_name(step)
             for entry in m.files:
                 path = join(sdir, entry.path)
                 if storage.size(path) != entry.size:
@@ -244,19 +360,21 @@ class LocalTier:
                     raise CorruptCheckpointError(f"{entry.path}: checksum differs",
                                                  path=entry.path)
         except (CkptmgrError, StorageError) as e:
-            log.warning("local tier %s: step %d does not verify: %s", self.root, step, e)
-            return False
-        return True
+            log.warning("local tier %s: step %d does not verify: %s", store.url, step, e)
+            return False, None
+        return True, save if isinstance(save, str) else None
 
-    def _check_owner(self, m: Manifest) -> dict[str, Any]:
+    def _check_owner(self, m: Manifest, owner: int | None = None) -> dict[str, Any]:
+        owner = self.rank if owner is None else owner
         info = m.metadata.get(LAYOUT_KEY)
-        if not isinstance(info, dict) or info.get("rank") != self.rank or info.get(
+        if not isinstance(info, dict) or info.get("rank") != owner or info.get(
                 "world_size") != self.world_size:
             who = {k: info.get(k) for k in ("rank", "world_size")} if isinstance(
                 info, dict) else None
             raise CorruptCheckpointError(
-                f"step {m.step} was written by another rank or world size ({who}); this is "
-                f"rank {self.rank} of {self.world_size}", step=m.step)
+                f"step {m.step} was written by another rank or world size ({who}); " + (
+                    f"this is rank {owner}" if owner == self.rank else f"expected rank {owner}")
+                + f" of {self.world_size}", step=m.step)
         return info
 
     # ---------------------------------------------------------------------------- saving
@@ -272,6 +390,7 @@ class LocalTier:
         local retention. Returns the agreed failure (every rank gets the same), else None."""
         err: BaseException | None = None
         nbytes = 0
+        self.wait_replicas()  # the previous transfer first: one at a time, retention after it
         self._num_saves += 1  # on every rank alike: the save id needs no collective
         save = f"{self._session}-{self._num_saves}"
         try:
@@ -282,6 +401,9 @@ class LocalTier:
         failed = {r: CkptmgrError(e) for r, e in enumerate(errors) if e is not None}
         if failed:  # its last save failed somewhere: not whole anywhere, whatever each holds
             self._bad.add(step)
+            self._void.add(step)  # nor by the replicas of an older save of it
+        else:
+            self._void.discard(step)
         self._agree_and_prune(comm)
         if failed:
             r = min(failed)
@@ -289,7 +411,56 @@ class LocalTier:
                              step=step, failures=dict(failed))
         log.info("saved step %d to the local tier %s (%d bytes on this rank)", step, self.root,
                  nbytes)
+        if self._replicator is not None and step in self.steps:  # alike on every rank
+            self._replicator.start(lambda: self._replicate(step, save),
+                                   name=f"ckptmgr-replicas-{step}")
         return None
+
+    def _replicate(self, step: int, save: str) -> None:
+        """(transfer thread, collective over its own group) Send this rank's committed ``step``
+        to its holders, receive the parts this rank holds, then agree on what each holds."""
+        assert self._replicator is not None
+        rcomm = self._replicator.comm
+        assert self.store is not None
+        sends = [(h, Sender(self.store, step)) for h in self.holders[self.rank]]
+        recvs = [(src, Receiver(self._rep_store(src), step, self._wanted(src, save)))
+                 for src in range(self.world_size) if self.rank in self.holders[src]]
+        exchange(rcomm.group, sends, recvs)
+        self.replica_bytes_sent += sum(sender.bytes for _, sender in sends)
+        got: list[int] = []
+        for src, receiver in recvs:
+            if receiver.error is None:
+                self._rep_saves[(src, step)] = save
+                got.append(src)
+            else:
+                self._rep_saves.pop((src, step), None)
+                log.warning("local tier %s: the replica of rank %d's step %d was not kept: %s",
+                            self.root, src, step, receiver.error)
+        for holder, srcs in enumerate(rcomm.all_gather(got)):
+            if self._agreed_saves.get(step) == save:
+                parts = self._holders_of.setdefault(step, {})
+                for src in srcs:
+                    parts[src] = sorted({*parts.get(src, []), holder})
+        missing = [r for r in range(self.world_size) if self.holders[r]
+                   and not self._holders_of.get(step, {}).get(r)]
+        if missing:
+            log.warning("local step %d: no replica of the parts of ranks %s (they are held once)",
+                        step, missing)
+
+    def _wanted(self, owner: int, save: str | None) -> Callable[[Manifest], str | None]:
+        """Why a received manifest is not the copy wanted: rank ``owner``'s part, save ``save``."""
+        def check(m: Manifest) -> str | None:
+            try:
+                got = self._check_owner(m, owner).get("save")
+            except CorruptCheckpointError as e:
+                return str(e)
+            return None if got == save else f"it is another save of step {m.step} ({got})"
+        return check
+
+    def wait_replicas(self) -> None:
+        """Wait for the replica transfer in flight (join, close and every local save do)."""
+        if self._replicator is not None:
+            self._replicator.wait()
 
     def _write(self, step: int, flat: Mapping[str, Any], metrics: Mapping[str, float],
                metadata: Mapping[str, Any], trusted: bool, num_threads: int | None,
@@ -339,10 +510,22 @@ class LocalTier:
         for s in [s for s in mine if s not in self._saves and s not in self._bad]:
             self._bad.add(s)  # committed here, but by no save this rank knows: not trusted
         held = [_Held(s, s not in self._bad, self._saves.get(s)) for s in mine]
-        gathered = comm.all_gather((held, listed))
-        whole = _whole([g[0] for g in gathered], comm.world_size)
+        reps: dict[int, list[int]] = {}
+        for src in self._replica_sources() if self.replicas else ():
+            try:
+                reps[src] = self._rep_store(src).scan().committed
+            except StorageError as e:
+                listed = False
+                log.warning("local tier %s: listing the replicas of rank %d failed: %s",
+                            self.root, src, e)
+        rep_held = [(src, _Held(s, (src, s) in self._rep_saves, self._rep_saves.get((src, s))))
+                    for src, steps in reps.items() for s in steps]
+        gathered = comm.all_gather(((held, rep_held), listed))
+        whole, holders_of = _whole([g[0] for g in gathered], comm.world_size, self._void)
         self.steps = sorted(whole)[-self.max_to_keep:]
         self._agreed_saves = {s: whole[s] for s in self.steps}
+        self._holders_of = {s: holders_of[s] for s in self.steps}
+        self._borrowed = {s: m for s, m in self._borrowed.items() if s in self.steps}
         if self.store is None or self._read_only:
             return
         if not all(g[1] for g in gathered):
@@ -352,8 +535,9 @@ class LocalTier:
                         "waits for the next save", self.root)
             return
         for s in mine:  # every removal goes through the store's fenced door
-            if s in self.steps:
-                continue
+            if s in self.steps and s not in self._bad and self._saves.get(
+                    s, "-") == self._agreed_saves[s]:
+                continue  # (a copy of another save of a whole step is deleted: not restorable)
             try:
                 self.store.delete_step(s)
                 self._bad.discard(s)
@@ -368,11 +552,37 @@ class LocalTier:
             self.store.remove_leftovers(self.store.scan())
         except CkptmgrError as e:
             log.warning("local tier %s: could not remove leftovers: %s", self.root, e)
+        self._prune_replicas(reps)
+
+    def _prune_replicas(self, reps: dict[int, list[int]]) -> None:
+        """Delete the replicas held here that are not a verified copy of a kept whole step's
+        agreed save (with their step, by retention, or another save), and crashed transfers."""
+        for src, steps in reps.items():
+            store = self._rep_store(src)
+            for s in steps:
+                if s in self.steps and self._rep_saves.get((src, s), "-") == self._agreed_saves[s]:
+                    continue
+                try:
+                    store.delete_step(s)
+                    self._rep_saves.pop((src, s), None)
+                    log.info("local retention deleted the replica of rank %d's step %d from %s",
+                             src, s, store.url)
+                except LeaseError as e:
+                    log.error("local tier %s: retention stopped: %s", self.root, e)
+                    return
+                except CkptmgrError as e:
+                    log.warning("local retention could not delete a replica of step %d: %s",
+                                s, e)
+            try:
+                store.remove_leftovers(store.scan())
+            except CkptmgrError as e:
+                log.warning("local tier %s: could not remove leftovers: %s", store.url, e)
 
     def forget(self, step: int) -> None:
         """(every rank alike) ``step`` is no longer whole here: not listed, not restored, and
         deleted at the next local save's agreement."""
         self._bad.add(step)
+        self._void.add(step)
         self.steps = [s for s in self.steps if s != step]
         self._agreed_saves.pop(step, None)
 
@@ -394,9 +604,12 @@ class LocalTier:
         the durable tier, which overwrites whatever was read, so the state never mixes the tiers.
         """
         self.last_failure = None
+        self.wait_replicas()
         if step not in self.steps:
             return None
-        why = self._readable(step, state_dict, verify_bytes=not fallback)
+        why, verified = self._fetch(step, comm, verify_bytes=not fallback) if (
+            self.replicas) else (None, False)
+        why = why or self._readable(step, state_dict, verify_bytes=not (fallback or verified))
         if not self._agreed(comm, why, step, "before reading"):
             return None
         err: str | None = None
@@ -411,6 +624,56 @@ class LocalTier:
         log.info("restored step %d from the local tier %s (%d bytes read on this rank)", step,
                  self.root, nbytes)
         return nbytes
+
+    def _fetch(self, step: int, comm: Comm, *, verify_bytes: bool) -> tuple[str | None, bool]:
+        """(collective) Every rank lacking a valid copy of its own part of ``step`` (absent,
+        another save, sizes or, with ``verify_bytes``, checksums) receives one from a holder of a
+        replica, checked, into its own directory (healed). Why this rank could not (or None), and
+        whether this rank's copy had every checksum verified here."""
+        assert self.store is not None
+        agreed = self._agreed_saves.get(step)
+        own_ok = (step not in self._bad and self._saves.get(step, "-") == agreed
+                  and self._own_files_ok(step, agreed, verify_bytes))
+        needy = [r for r, ok in enumerate(comm.all_gather(own_ok)) if not ok]
+        if not needy:
+            return None, verify_bytes
+        parts = self._holders_of.get(step, {})
+        source = {r: min(parts[r]) for r in needy if parts.get(r)}
+        sends = [(r, Sender(self._rep_store(r), step)) for r, h in source.items()
+                 if h == self.rank]
+        receiver = Receiver(self.store, step, self._wanted(self.rank, agreed)) if (
+            self.rank in source) else None
+        try:
+            exchange(comm.group, sends, [] if receiver is None else [
+                (source[self.rank], receiver)])
+        except Exception as e:  # the agreement after this says so on every rank
+            return f"fetching step {step} from its holders failed: {type(e).__name__}: {e}", False
+        if self.rank not in needy:
+            return None, verify_bytes
+        if receiver is None:
+            return "no verified copy of this rank's part is held by any rank", False
+        if receiver.error is not None:
+            return f"its copy from rank {source[self.rank]} was refused: {receiver.error}", False
+        self._saves[step] = agreed
+        self._bad.discard(step)
+        self._borrowed.pop(step, None)
+        log.info("local tier %s: step %d of this rank received from rank %d (%d bytes)",
+                 self.root, step, source[self.rank], receiver.bytes)
+        return None, True  # every file's checksum was checked as it arrived
+
+    def _own_files_ok(self, step: int, agreed: str | None, verify_bytes: bool) -> bool:
+        """Whether this rank's own copy of ``step`` is the agreed save with every file's size
+        (and with ``verify_bytes`` its checksum) as in its manifest."""
+        assert self.store is not None
+        if verify_bytes:
+            return self._verify_in(self.store, step, self.rank) == (True, agreed)
+        try:
+            m = self.store.read_manifest(step)
+            save = self._check_owner(m).get("save")
+            files = self.store.storage.list_files(step_dir_name(step))
+        except (CkptmgrError, StorageError):
+            return False
+        return save == agreed and all(files.get(e.path) == e.size for e in m.files)
 
     def unreadable(self, step: int, available: list[int]) -> CorruptCheckpointError:
         """The error of a step held only by this tier whose :meth:`restore` fell back (every
@@ -434,6 +697,7 @@ class LocalTier:
                     "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items())))
         self.steps = [s for s in self.steps if s != step]
         self._bad.add(step)  # on every rank: it never becomes whole again unless re-saved
+        self._void.add(step)
         return False
 
     def _readable(self, step: int, state_dict: Mapping[str, Any], *,
@@ -486,31 +750,60 @@ class LocalTier:
         """This rank's manifest of local ``step`` as a StepInfo (``tiers=("local",)``): its files
         and bytes are this rank's; ``world_size`` is the job's."""
         assert self.store is not None
-        m = self.store.read_manifest(step)
+        m = self._borrowed.get(step) or self.store.read_manifest(step)
         info = StepInfo.from_manifest(m)
         meta = {k: v for k, v in m.metadata.items() if k != LAYOUT_KEY}
         layout = m.metadata.get(LAYOUT_KEY) or {}
         return replace(info, metadata=meta, world_size=int(layout.get("world_size", 1)),
-                       bytes_per_rank={self.rank: info.total_bytes}, tiers=("local",))
+                       bytes_per_rank={int(layout.get("rank", self.rank)): info.total_bytes},
+                       tiers=("local",))
 
     def close(self) -> None:
-        """Release this rank's local writer lease."""
+        """Wait for the replica transfer in flight, then release its group and this rank's
+        local writer lease."""
+        if self._replicator is not None:
+            self._replicator.close()
+            self._replicator = None
         if self.lease is not None:
             self.lease.release()
             self.lease = None
 
 
-def _whole(held: list[list[_Held]], world_size: int) -> dict[int, str | None]:
-    """Steps every rank holds, verified, from one and the same save: step -> that save id."""
-    counts: dict[int, int] = {}
-    saves: dict[int, set[str | None]] = {}
-    for per_rank in held:
-        for h in per_rank:
-            if h.ok:
-                counts[h.step] = counts.get(h.step, 0) + 1
-                saves.setdefault(h.step, set()).add(h.save)
-    # A step written before save ids existed (None on every rank) cannot show that every rank
-    # holds the same save of it: whole only where one rank is all there is.
-    return {s: next(iter(saves[s])) for s in sorted(counts)
-            if counts[s] == world_size and len(saves[s]) == 1
-            and (world_size == 1 or None not in saves[s])}
+def _save_order(save: str | None) -> tuple[int, int, str]:
+    """Orders save ids ``<clock>.<token>-<count>`` by time, then count (an id without a clock,
+    or None, sorts first; ties by id, alike on every rank)."""
+    head, _, count = (save or "").rpartition("-")
+    clock, dot, _ = head.partition(".")
+    try:
+        return (int(clock, 16) if dot else 0, int(count), save or "")
+    except ValueError:
+        return (0, 0, save or "")
+
+
+def _whole(reports: list[_Report], world_size: int, void: set[int] | frozenset[int] = frozenset()
+           ) -> tuple[dict[int, str | None], dict[int, dict[int, list[int]]]]:
+    """Steps of which every rank's part is held at least once, verified (by the rank itself or
+    a replica holder), all from one and the same save: step -> that save id; and for each such
+    step, each part's holders other than its rank. ``void`` steps are never whole."""
+    # step -> save -> part (source rank) -> ranks holding a verified copy
+    copies: dict[int, dict[str | None, dict[int, set[int]]]] = {}
+    for rank, (own, reps) in enumerate(reports):
+        for src, h in [*((rank, h) for h in own), *reps]:
+            if h.ok and h.step not in void:
+                copies.setdefault(h.step, {}).setdefault(h.save, {}).setdefault(
+                    src, set()).add(rank)
+    whole: dict[int, str | None] = {}
+    holders: dict[int, dict[int, list[int]]] = {}
+    for s in sorted(copies):
+        # A step written before save ids existed (None everywhere) cannot show that every rank
+        # holds the same save of it: whole only where one rank is all there is.
+        full = [save for save, parts in copies[s].items()
+                if len(parts) == world_size and (world_size == 1 or save is not None)]
+        if not full:
+            continue
+        # Two saves whole at once (a node back with a stale directory holding an older save of
+        # the step and replicas of it): the newer one.
+        save = max(full, key=_save_order)
+        whole[s] = save
+        holders[s] = {r: sorted(c - {r}) for r, c in copies[s][save].items()}
+    return whole, holders

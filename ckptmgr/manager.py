@@ -135,7 +135,9 @@ class CheckpointManager(SavePath):
             self._caller = Comm(group, timeout)
             self._worker = Comm(group and make_group(process_group, timeout), timeout)
             self._durable.open(self._caller, take_over=cfg.take_over)
-            self._local = LocalTier.open(cfg, self._caller) if cfg.local.path else None
+            self._local = LocalTier.open(  # its replica transfers: a group of their own
+                cfg, self._caller, lambda: Comm(make_group(process_group, timeout), timeout)
+            ) if cfg.local.path else None
             if self._writer is not None:  # started now: it is ready by the first save
                 self._writer.ensure(self._caller, self._durable.lease)
             self._preempt = PreemptionWatcher(

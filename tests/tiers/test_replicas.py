@@ -1,0 +1,253 @@
+"""Peer replicas of the local tier (``local_replicas``, ckptmgr/replicas.py): real gloo ranks as
+plain processes, each "node" a distinct ``GROUP_RANK`` and its own ``local_path`` directory; a
+node is lost by ending its processes and deleting its directory, then a fresh job resumes.
+
+The durable tier is a local root that never holds the local steps (``save_interval`` 1000), so
+a step restored with every part equal to what was saved came from the local tier and its peers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _procs import run_ranks
+
+import ckptmgr
+from ckptmgr.local_tier import _Held, _whole
+from ckptmgr.replicas import plan_holders
+
+
+def _state(rank: int, step: int, tag: int = 0) -> dict[str, Any]:
+    """A state whose every byte says which rank, step and run wrote it (random bits included)."""
+    g = torch.Generator().manual_seed(rank * 100_003 + step * 7 + tag * 1_000_003)
+    return {"w": torch.randn(257, generator=g), "ramp": torch.arange(100) + 1000 * rank + step,
+            "meta": {"rank": rank, "step": step, "tag": tag}}
+
+
+def _empty() -> dict[str, Any]:
+    return {"w": torch.zeros(257), "ramp": torch.zeros(100, dtype=torch.int64),
+            "meta": {"rank": -1, "step": -1, "tag": -1}}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (a["w"].numpy().tobytes() == b["w"].numpy().tobytes()
+            and torch.equal(a["ramp"], b["ramp"]) and a["meta"] == b["meta"])
+
+
+class _Logs(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _manager(rank: int, nodes: str, node_of: list[int], root: str, k: int,
+             **kw: Any) -> ckptmgr.CheckpointManager:
+    os.environ["GROUP_RANK"] = str(node_of[rank])
+    kw.setdefault("local_max_to_keep", 2)
+    return ckptmgr.CheckpointManager(root, save_interval=1000, local_path=os.path.join(
+        nodes, f"node{node_of[rank]}"), local_interval=1, local_replicas=k, **kw)
+
+
+def _held(nodes: str, node: int, rank: int) -> dict[str, list[int]]:
+    """What rank ``rank`` holds on disk: its own steps and each replica directory's."""
+    base = Path(nodes, f"node{node}", f"rank-{rank}")
+    out = {"own": sorted(int(p.name) for p in base.iterdir() if p.name.isdigit())}
+    for d in sorted((base / "replicas").glob("rank-*")):
+        out[d.name] = sorted(int(p.name) for p in d.iterdir() if (p / "commit.json").exists())
+    return out
+
+
+def _train(rank: int, world: int, nodes: str, node_of: list[int], root: str, k: int,
+           steps: list[int], tag: int, mode: str) -> dict[str, Any]:
+    """Save ``steps`` (sync, async + join, or sync then a bare close); what each rank holds."""
+    logs = _Logs()
+    logging.getLogger("ckptmgr").addHandler(logs)
+    out: dict[str, Any] = {}
+    mgr = _manager(rank, nodes, node_of, root, k)
+    for s in steps:
+        if mode == "async":
+            assert mgr.save_async(s, _state(rank, s, tag))
+            mgr.join()  # waits for the replica transfer too: what this rank holds is committed
+            out[f"after_join_{s}"] = _held(nodes, node_of[rank], rank)
+        else:
+            assert mgr.save(s, _state(rank, s, tag))
+    out["all"] = mgr.all_steps()
+    mgr.close()  # waits for the last transfer
+    out["warnings"] = logs.lines
+    return out
+
+
+def _resume(rank: int, world: int, nodes: str, node_of: list[int], root: str, k: int,
+            tag: int) -> dict[str, Any]:
+    mgr = _manager(rank, nodes, node_of, root, k)
+    out: dict[str, Any] = {"all": mgr.all_steps(), "latest": mgr.latest_step()}
+    out["tiers"] = {s: mgr.step_info(s).tiers for s in mgr.all_steps()}
+    target = _empty()
+    out["restored"] = mgr.restore_latest(target)
+    step = out["restored"]
+    out["exact"] = step is not None and _same(target, _state(rank, step, tag))
+    # Every rank's part of step 1 is rank 0's state (saved alike on every rank).
+    out["as_rank0"] = step is not None and _same(target, _state(0, step, tag))
+    out["meta"] = target["meta"]
+    mgr.close()
+    out["held"] = _held(nodes, node_of[rank], rank)
+    return out
+
+
+def _lose(nodes: str, *lost: int) -> None:
+    for n in lost:
+        shutil.rmtree(Path(nodes, f"node{n}"))
+
+
+def _durable_steps(root: str) -> list[str]:
+    return sorted(p for p in os.listdir(root) if p.isdigit()) if os.path.isdir(root) else []
+
+
+# ------------------------------------------------------------------------- single process
+
+
+def test_holders_by_node_ring() -> None:
+    # One rank per node: each part on the next node(s), never its own.
+    assert plan_holders(["0", "1", "2"], 1) == [[1], [2], [0]]
+    assert plan_holders(["0", "1", "2"], 2) == [[1, 2], [2, 0], [0, 1]]
+    # Two ranks per node: the same local index on the next node; numeric ids sort as numbers.
+    assert plan_holders(["10", "10", "2", "2"], 1) == [[2], [3], [0], [1]]
+    # Fewer nodes than k + 1: nodes - 1 replicas; one node: none.
+    assert plan_holders(["a", "b"], 3) == [[1], [0]]
+    assert plan_holders(["a", "a"], 1) == [[], []]
+
+
+def test_whole_counts_replicas_and_chooses_the_newest_save() -> None:
+    old, new = "1.aaaaaaaaaaaa-3", "2.bbbbbbbbbbbb-1"
+    # Rank 1's own copy is gone; rank 0 holds a replica of it: whole, held by rank 0.
+    whole, holders = _whole([([_Held(5, True, new)], [(1, _Held(5, True, new))]), ([], [])], 2)
+    assert whole == {5: new} and holders == {5: {0: [], 1: [0]}}
+    # A damaged replica does not count.
+    assert _whole([([_Held(5, True, new)], [(1, _Held(5, False, new))]), ([], [])], 2)[0] == {}
+    # A stale node back: both saves are whole; the newer one wins, never a mix.
+    reports = [([_Held(5, True, new)], [(1, _Held(5, True, new))]),
+               ([_Held(5, True, old)], [(0, _Held(5, True, old))])]
+    assert _whole(reports, 2)[0] == {5: new}
+    # A void step (its last save failed) is whole nowhere.
+    assert _whole(reports, 2, {5})[0] == {}
+
+
+# ------------------------------------------------------------------------------ two ranks
+
+
+def test_lose_one_of_two_nodes_resumes_from_peers(tmp_path: Path) -> None:
+    nodes, root = str(tmp_path / "nodes"), str(tmp_path / "root")
+    a = run_ranks(_train, 2, nodes, [0, 1], root, 1, [1, 2, 3], 0, "async", timeout_s=120)
+    for r, res in enumerate(a):
+        assert res["all"] == [2, 3]
+        # save_async + join: the replica of the peer's step is committed when join returns.
+        assert res["after_join_2"][f"rank-{1 - r}"] == [1, 2]
+        # Retention deleted the replicas with their step.
+        assert _held(nodes, r, r) == {"own": [2, 3], f"rank-{1 - r}": [2, 3]}
+    assert _durable_steps(root) == []
+
+    _lose(nodes, 1)
+    b = run_ranks(_resume, 2, nodes, [0, 1], root, 1, 0, timeout_s=120)
+    for res in b:
+        assert res["all"] == [2, 3] and res["latest"] == 3, res
+        assert res["tiers"] == {2: ("local",), 3: ("local",)}, res
+        assert res["restored"] == 3 and res["exact"], res
+    assert _durable_steps(root) == []
+    # The lost node's rank received its part of the step it restored and keeps it (healed).
+    assert b[1]["held"] == {"own": [3]}, b[1]["held"]
+
+
+def test_close_waits_for_the_transfer_and_k_above_the_nodes_warns(tmp_path: Path) -> None:
+    nodes, root = str(tmp_path / "nodes"), str(tmp_path / "root")
+    a = run_ranks(_train, 2, nodes, [0, 1], root, 3, [4], 0, "sync", timeout_s=120)
+    for r, res in enumerate(a):
+        assert _held(nodes, r, r) == {"own": [4], f"rank-{1 - r}": [4]}  # close waited
+        assert any("local_replicas=3 but the job spans 2 node(s)" in w
+                   for w in res["warnings"]), res["warnings"]
+    # One node: no replicas at all, one warning, saves as without them.
+    one = str(tmp_path / "one")
+    b = run_ranks(_train, 2, one, [0, 0], root + "1", 1, [1], 0, "sync", timeout_s=120)
+    assert all(any("spans 1 node(s)" in w for w in res["warnings"]) for res in b)
+    assert _held(one, 0, 0) == {"own": [1]} and _held(one, 0, 1) == {"own": [1]}
+
+
+def test_stale_directory_of_a_returning_node_is_never_mixed_in(tmp_path: Path) -> None:
+    nodes, root = str(tmp_path / "nodes"), str(tmp_path / "root")
+    run_ranks(_train, 2, nodes, [0, 1], root, 1, [3, 4], 1, "sync", timeout_s=120)
+    stale = tmp_path / "stale-node1"
+    shutil.copytree(Path(nodes, "node1"), stale)  # node 1 as it was: steps 3, 4 of run 1
+    run_ranks(_train, 2, nodes, [0, 1], root, 1, [3, 4], 2, "sync", timeout_s=120)
+    _lose(nodes, 1)
+    shutil.copytree(stale, Path(nodes, "node1"))  # node 1 comes back with run 1's files
+    res = run_ranks(_resume, 2, nodes, [0, 1], root, 1, 2, timeout_s=120)
+    for r in res:
+        assert r["restored"] == 4 and r["exact"] and r["meta"]["tag"] == 2, r
+
+
+# ---------------------------------------------------------------------------- three ranks
+
+
+def test_three_nodes_one_lost_two_lost_and_a_damaged_replica(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    # The durable tier holds step 1 (forced); the local tier steps 2 and 3 on top.
+    def fresh(name: str) -> str:
+        nodes = str(tmp_path / name)
+        run_ranks(_train, 3, nodes, [0, 1, 2], root + name, 1, [2, 3], 0, "sync",
+                  timeout_s=120)
+        return nodes
+
+    # Lose node 1: rank 1's part is held by rank 2 (the ring 0 -> 1 -> 2 -> 0).
+    nodes = fresh("a")
+    _lose(nodes, 1)
+    res = run_ranks(_resume, 3, nodes, [0, 1, 2], root + "a", 1, 0, timeout_s=120)
+    assert all(r["restored"] == 3 and r["exact"] for r in res), res
+
+    # Lose nodes 1 and 2 with k=1: rank 1's part is gone: not whole, nothing listed locally.
+    nodes = fresh("b")
+    _lose(nodes, 1, 2)
+    res = run_ranks(_resume, 3, nodes, [0, 1, 2], root + "b", 1, 0, timeout_s=120)
+    assert all(r["all"] == [] and r["restored"] is None for r in res), res
+
+    # A flipped byte in the only replica of rank 1's part: not counted.
+    nodes = fresh("c")
+    rep = Path(nodes, "node2", "rank-2", "replicas", "rank-1", "3")
+    data = next(p for p in rep.iterdir() if p.name.startswith("data-"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    _lose(nodes, 1)
+    res = run_ranks(_resume, 3, nodes, [0, 1, 2], root + "c", 1, 0, timeout_s=120)
+    assert all(r["all"] == [2] and r["restored"] == 2 and r["exact"] for r in res), res
+
+
+def _durable_then_local(rank: int, world: int, nodes: str, node_of: list[int], root: str,
+                        k: int) -> list[int]:
+    with _manager(rank, nodes, node_of, root, k) as mgr:
+        # Both tiers; the same on every rank: DCP stores a plain tensor once, as replicated.
+        assert mgr.save(1, _state(0, 1), force=True)
+        for s in (2, 3):
+            assert mgr.save(s, _state(rank, s))
+        return mgr.all_steps()
+
+
+@pytest.mark.parametrize("lost", [(1,), (1, 2)], ids=["one-lost", "two-lost"])
+def test_durable_fallback_when_a_part_has_no_copy(tmp_path: Path, lost: tuple[int, ...]) -> None:
+    nodes, root = str(tmp_path / "nodes"), str(tmp_path / "root")
+    assert run_ranks(_durable_then_local, 3, nodes, [0, 1, 2], root, 1,
+                     timeout_s=120)[0] == [1, 2, 3]
+    assert _durable_steps(root) == ["1"]
+    _lose(nodes, *lost)
+    res = run_ranks(_resume, 3, nodes, [0, 1, 2], root, 1, 0, timeout_s=120)
+    want = 3 if len(lost) == 1 else 1  # two lost neighbours with k=1: the durable step
+    for r in res:
+        assert r["restored"] == want and (r["exact"] if want == 3 else r["as_rank0"]), r
+        assert r["all"] == ([1, 2, 3] if want == 3 else [1]), r
