@@ -49,17 +49,22 @@ class _Logs(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _node_dir(nodes: str, node: int) -> str:
+    """A node's ``local_path``; one for all (``nodes`` ending in ``shared``): one machine."""
+    return nodes if nodes.endswith("shared") else os.path.join(nodes, f"node{node}")
+
+
 def _manager(rank: int, nodes: str, node_of: list[int], root: str, k: int,
              **kw: Any) -> ckptmgr.CheckpointManager:
     os.environ["GROUP_RANK"] = str(node_of[rank])
     kw.setdefault("local_max_to_keep", 2)
-    return ckptmgr.CheckpointManager(root, save_interval=1000, local_path=os.path.join(
-        nodes, f"node{node_of[rank]}"), local_interval=1, local_replicas=k, **kw)
+    return ckptmgr.CheckpointManager(root, save_interval=1000, local_path=_node_dir(
+        nodes, node_of[rank]), local_interval=1, local_replicas=k, **kw)
 
 
 def _held(nodes: str, node: int, rank: int) -> dict[str, list[int]]:
     """What rank ``rank`` holds on disk: its own steps and each replica directory's."""
-    base = Path(nodes, f"node{node}", f"rank-{rank}")
+    base = Path(_node_dir(nodes, node), f"rank-{rank}")
     out = {"own": sorted(int(p.name) for p in base.iterdir() if p.name.isdigit())}
     for d in sorted((base / "replicas").glob("rank-*")):
         out[d.name] = sorted(int(p.name) for p in d.iterdir() if (p / "commit.json").exists())
@@ -180,6 +185,17 @@ def test_close_waits_for_the_transfer_and_k_above_the_nodes_warns(tmp_path: Path
     assert _held(one, 0, 0) == {"own": [1]} and _held(one, 0, 1) == {"own": [1]}
 
 
+def test_one_local_path_for_every_rank_and_one_rank_directory_wiped(tmp_path: Path) -> None:
+    # Every rank on one machine with one local_path, nodes told apart by GROUP_RANK only: all a
+    # rank holds is inside <local_path>/rank-<r>, so wiping that directory loses one "node".
+    nodes, root = str(tmp_path / "shared"), str(tmp_path / "root")
+    run_ranks(_train, 2, nodes, [0, 1], root, 1, [5, 6], 0, "sync", timeout_s=120)
+    assert sorted(os.listdir(nodes)) == ["rank-0", "rank-1"]
+    shutil.rmtree(Path(nodes, "rank-0"))
+    res = run_ranks(_resume, 2, nodes, [0, 1], root, 1, 0, timeout_s=120)
+    assert all(r["all"] == [5, 6] and r["restored"] == 6 and r["exact"] for r in res), res
+
+
 def test_stale_directory_of_a_returning_node_is_never_mixed_in(tmp_path: Path) -> None:
     nodes, root = str(tmp_path / "nodes"), str(tmp_path / "root")
     run_ranks(_train, 2, nodes, [0, 1], root, 1, [3, 4], 1, "sync", timeout_s=120)
@@ -196,36 +212,18 @@ def test_stale_directory_of_a_returning_node_is_never_mixed_in(tmp_path: Path) -
 # ---------------------------------------------------------------------------- three ranks
 
 
-def test_three_nodes_one_lost_two_lost_and_a_damaged_replica(tmp_path: Path) -> None:
-    root = str(tmp_path / "root")
-    # The durable tier holds step 1 (forced); the local tier steps 2 and 3 on top.
-    def fresh(name: str) -> str:
-        nodes = str(tmp_path / name)
-        run_ranks(_train, 3, nodes, [0, 1, 2], root + name, 1, [2, 3], 0, "sync",
-                  timeout_s=120)
-        return nodes
-
-    # Lose node 1: rank 1's part is held by rank 2 (the ring 0 -> 1 -> 2 -> 0).
-    nodes = fresh("a")
-    _lose(nodes, 1)
-    res = run_ranks(_resume, 3, nodes, [0, 1, 2], root + "a", 1, 0, timeout_s=120)
-    assert all(r["restored"] == 3 and r["exact"] for r in res), res
-
-    # Lose nodes 1 and 2 with k=1: rank 1's part is gone: not whole, nothing listed locally.
-    nodes = fresh("b")
-    _lose(nodes, 1, 2)
-    res = run_ranks(_resume, 3, nodes, [0, 1, 2], root + "b", 1, 0, timeout_s=120)
-    assert all(r["all"] == [] and r["restored"] is None for r in res), res
-
-    # A flipped byte in the only replica of rank 1's part: not counted.
-    nodes = fresh("c")
+def test_a_damaged_replica_is_not_counted(tmp_path: Path) -> None:
+    nodes, root = str(tmp_path / "nodes"), str(tmp_path / "root")
+    run_ranks(_train, 3, nodes, [0, 1, 2], root, 1, [2, 3], 0, "sync", timeout_s=120)
+    # A flipped byte in the only replica of rank 1's step 3 (held by rank 2: the ring
+    # 0 -> 1 -> 2 -> 0), then node 1 lost: step 3 has no whole copy of rank 1's part.
     rep = Path(nodes, "node2", "rank-2", "replicas", "rank-1", "3")
     data = next(p for p in rep.iterdir() if p.name.startswith("data-"))
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     data.write_bytes(bytes(raw))
     _lose(nodes, 1)
-    res = run_ranks(_resume, 3, nodes, [0, 1, 2], root + "c", 1, 0, timeout_s=120)
+    res = run_ranks(_resume, 3, nodes, [0, 1, 2], root, 1, 0, timeout_s=120)
     assert all(r["all"] == [2] and r["restored"] == 2 and r["exact"] for r in res), res
 
 
