@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +251,22 @@ def test_export_names_a_damaged_shared_chunk(ckpt: str, tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError, match=bad):
         tools.export_step(ckpt, 20, tmp_path / "w.pt")
     assert not (tmp_path / "w.pt").exists()
+
+
+def test_copy_to_and_from_a_store_without_rename(template: str, tmp_path: Path) -> None:
+    """memory:// (no rename, as object stores): chunks are written in place, the manifest last;
+    the copy restores and copies back to a local root."""
+    import fsspec
+
+    mem = f"memory://reuse-tools/{uuid.uuid4().hex}"
+    try:
+        results = tools.copy_steps(template, mem, [30, 40])
+        assert [(r.shared_copied, r.shared_present) for r in results] == [(3, 0), (1, 2)]
+        assert tools.shared_usage(mem).chunks == 4
+        assert all(r.ok for r in tools.verify_steps(mem, all_steps=True))
+        assert_reuse_restores(mem, 40)
+        back = str(tmp_path / "back")
+        tools.copy_steps(mem, back, [40])
+        assert_reuse_restores(back, 40)
+    finally:
+        fsspec.filesystem("memory").rm(mem.removeprefix("memory://"), recursive=True)
