@@ -25,6 +25,12 @@ What they must not break (DESIGN.md sections 5 and 7):
   stores), so a crash leaves an uncommitted leftover, never a listed step with missing files.
 - Nothing here holds more than about the largest tensor (export, import) or one read buffer
   (verify, copy) in memory.
+- Steps saved with ``reuse_unchanged=True`` reference shared chunks of their root
+  (``chunks/<32 hex>``, docs/byte-format.md): :func:`verify_steps` checks each one (once per
+  run, its damage reported against every step that references it), :func:`copy_steps` copies
+  the ones a step references before its manifest (the copy stands alone), and
+  :func:`prune_steps` removes only those no committed step references, through the step store's
+  one fenced door (:meth:`~ckptmgr.step_store.StepStore.remove_unreferenced_chunks`).
 
 One module per command family: :mod:`~ckptmgr.tools.inspect` (list, inspect, verify),
 :mod:`~ckptmgr.tools.prune`, :mod:`~ckptmgr.tools.export` (writing the formats of
