@@ -251,9 +251,10 @@ class LocalTier:
                              for h in own)}
         lend: dict[int, bytes] = {}
         for s in sorted(needed):
+            agreed = self._agreed_saves[s]
             lender = min(r for r, (own, reps) in enumerate(gathered)
-                         if any(h.ok and h.step == s for h in own)
-                         or any(h.ok and h.step == s for _, h in reps))
+                         if any(h.ok and h.step == s and h.save == agreed for h in own)
+                         or any(h.ok and h.step == s and h.save == agreed for _, h in reps))
             store = self._copy_store(s) if lender == self.rank else None
             try:
                 if store is not None:
