@@ -42,6 +42,7 @@ import logging
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -97,6 +98,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("ckptmgr")
+
+_REMOVERS = 8  # unreferenced shared chunks removed at once
 
 DCP_METADATA_NAME = ".metadata"
 """The file whose presence makes a directory a plain-DCP checkpoint (DCP's own commit point)."""
@@ -768,20 +771,26 @@ class StepStore:
                 log.warning("no shared chunk removed from %s: the manifest of step %d cannot be "
                             "read (%s), so any chunk may be one of its own", self.url, step, e)
                 return []
-        removed: list[str] = []
-        for name in sorted(listed):
-            path = join(SHARED_DIR, name)
-            if not (is_shared_chunk_name(name) or is_shared_temp_name(name)) or (
-                    path in referenced):
-                continue
-            if not dry_run:
-                try:
-                    self._remove(path)
-                except StorageError as e:
-                    log.warning("could not remove unreferenced shared chunk %s: %s", path, e)
-                    continue
-            removed.append(path)
-        if removed and not dry_run:
+        doomed = [join(SHARED_DIR, name) for name in sorted(listed)
+                  if (is_shared_chunk_name(name) or is_shared_temp_name(name))
+                  and join(SHARED_DIR, name) not in referenced]
+        if dry_run or not doomed:
+            return doomed
+
+        def sweep_one(path: str) -> bool:
+            try:
+                self._remove(path)  # fenced, each: a lost lease stops the rest
+            except StorageError as e:
+                log.warning("could not remove unreferenced shared chunk %s: %s", path, e)
+                return False
+            return True
+
+        # Side by side: one unlink took ~2 ms here (a file system mounted with discard), one
+        # after the other a retention of 1 GiB of chunks took longer than writing them.
+        with ThreadPoolExecutor(_REMOVERS, thread_name_prefix="ckptmgr-sweep") as pool:
+            done = list(pool.map(sweep_one, doomed))
+        removed = [p for p, ok in zip(doomed, done, strict=True) if ok]
+        if removed:
             log.info("removed %d unreferenced shared chunks from %s", len(removed), self.url)
         return removed
 

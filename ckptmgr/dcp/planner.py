@@ -120,8 +120,9 @@ def split_item(item: WriteItem, chunk_bytes: int) -> list[WriteItem] | None:
     for start in range(0, sizes[0], rows):
         offsets = torch.Size([base[0] + start, *base[1:]])
         box = torch.Size([min(rows, sizes[0] - start), *sizes[1:]])
+        # SHARD: DCP's global plan allows several items of one key only of this type.
         out.append(WriteItem(
-            index=MetadataIndex(item.index.fqn, offsets), type=item.type,
+            index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD,
             tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=box),
                                         properties=td.properties, size=td.size)))
     return out

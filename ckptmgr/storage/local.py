@@ -314,6 +314,52 @@ class _LocalWriter:
             os.unlink(self._abs)
 
 
+_WHOLE_BUF = 8 * 1024 * 1024  # the largest bounce buffer of LocalStorage.write_file, per thread
+_bounce = threading.local()
+
+
+def _bounce_buffer(nbytes: int) -> tuple[memoryview, int]:
+    """This thread's page-aligned bounce buffer (a view and its address), at least
+    ``min(nbytes, _WHOLE_BUF)`` bytes rounded up to whole MiB; kept for the thread's next file."""
+    want = min(_WHOLE_BUF, max(1 << 20, -(-nbytes // (1 << 20)) << 20))
+    have: mmap.mmap | None = getattr(_bounce, "map", None)
+    if have is None or len(have) < want:
+        have = _bounce.map = mmap.mmap(-1, want)
+        _bounce.addr = ctypes.addressof(ctypes.c_char.from_buffer(have))
+    return memoryview(have), _bounce.addr
+
+
+def _write_aligned(fd: int, mv: memoryview) -> None:
+    """Write ``mv`` at offset 0 of ``fd`` (opened with ``O_DIRECT``) through the bounce buffer,
+    the last block padded, then truncated to ``len(mv)``; buffered after an EINVAL."""
+    buf, addr = _bounce_buffer(len(mv))
+    try:
+        pos = 0
+        while pos < len(mv):
+            take = min(len(mv) - pos, len(buf))
+            src = mv[pos:pos + take]
+            if src.readonly:
+                buf[:take] = src
+            else:  # ctypes' memmove releases the GIL while it copies
+                ctypes.memmove(addr, (ctypes.c_char * take).from_buffer(src), take)
+            padded = -(-take // _DIRECT_ALIGN) * _DIRECT_ALIGN
+            buf[take:padded] = _ZEROS[:padded - take]
+            done = 0
+            while done < padded:
+                try:
+                    done += os.pwrite(fd, buf[done:padded], pos + done)
+                except OSError as e:  # accepted O_DIRECT at open, not this write: go buffered
+                    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+                    if e.errno != errno.EINVAL or not flags & _O_DIRECT:
+                        raise
+                    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+            pos += take
+        if len(mv) % _DIRECT_ALIGN:
+            os.ftruncate(fd, len(mv))
+    finally:
+        buf.release()
+
+
 def direct_buffer_size(size_hint: int | None) -> int:
     """Bytes per direct-I/O buffer for a file of about ``size_hint`` bytes (None: the largest):
     1/32 of it, rounded up to whole MiB, between ``_DIRECT_BUF_MIN`` and ``_DIRECT_BUF``."""
@@ -790,6 +836,43 @@ class LocalStorage:
                     os.unlink(tmp)
                 raise
             self._fsync_dir_abs(os.path.dirname(final))
+
+        self._call("write", path, _write)
+
+    def write_file(self, path: str, data: memoryview | bytes) -> None:
+        """Write a whole file of ``data`` at ``path`` and make it durable (fsync): for a file
+        whose bytes are all at hand (a shared chunk), much cheaper than a writer, whose
+        per-file buffers and threads cost more than a few MiB take to write (4 MiB files:
+        ~20 ms each that way, ~4 ms this way, here). ``O_DIRECT`` (unless :data:`DIRECT_IO`
+        is False or the file system refuses it) through this thread's page-aligned bounce
+        buffer, reused across files. Not atomic: write under a temporary name, then rename."""
+        mv = memoryview(data).cast("B")
+        final = self.abspath(path)
+        direct = bool(_O_DIRECT) and DIRECT_IO is not False
+
+        def _write() -> None:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW
+            try:
+                fd = os.open(final, flags | (_O_DIRECT if direct else 0), 0o644)
+                aligned = direct
+            except OSError as e:
+                if not direct or e.errno != errno.EINVAL:  # EINVAL: no O_DIRECT here
+                    raise
+                fd, aligned = os.open(final, flags, 0o644), False
+            try:
+                if aligned:
+                    _write_aligned(fd, mv)
+                else:
+                    pos = 0
+                    while pos < len(mv):
+                        pos += os.write(fd, mv[pos:])
+                os.fsync(fd)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(final)
+                raise
+            os.close(fd)
 
         self._call("write", path, _write)
 
