@@ -104,8 +104,9 @@ class Mutator:
     def step(self) -> None:
         if self.scenario in ("frozen", "trained"):
             for k in self.trained:
-                # Adding a non-zero constant changes every element's bytes (values are in [-1, 1)).
-                self.state[k].add_(0.5).remainder_(2.0).sub_(1.0)
+                # Changes every element's bytes (values are in [-1, 1), 1e-3 is far above their
+                # last bit), and never brings back bytes an earlier save wrote.
+                self.state[k].add_(1e-3)
             return
         table = self.state["embedding.weight"]
         rows = table.shape[0]
