@@ -249,3 +249,39 @@ def test_durable_fallback_when_a_part_has_no_copy(tmp_path: Path, lost: tuple[in
     for r in res:
         assert r["restored"] == want and (r["exact"] if want == 3 else r["as_rank0"]), r
         assert r["all"] == ([1, 2, 3] if want == 3 else [1]), r
+
+
+def _resave_fails_on_rank_1(rank: int, world: int, nodes: str, root: str) -> dict[str, Any]:
+    import ckptmgr.local_tier as local_tier
+
+    out: dict[str, Any] = {}
+    with _manager(rank, nodes, [0, 1], root, 1) as mgr:
+        assert mgr.save(1, _state(rank, 1, 1))
+        mgr.join()  # step 1 of save 1 is held twice: by each rank and by its peer
+        out["held_before"] = _held(nodes, rank, rank)
+        real = local_tier.write_step
+        if rank == 1:
+            def disk_full(*args: Any, **kwargs: Any) -> Any:
+                raise OSError(28, "No space left on device (injected)")
+            local_tier.write_step = disk_full  # type: ignore[assignment]
+        try:
+            mgr.save(1, _state(rank, 1, 2))
+        except ckptmgr.errors.SaveError:
+            out["failed"] = True
+        finally:
+            local_tier.write_step = real  # type: ignore[assignment]
+        out["listed"] = mgr.all_steps()
+    out["held_after"] = _held(nodes, rank, rank)
+    with _manager(rank, nodes, [0, 1], root, 1) as mgr:
+        out["listed_after_restart"] = mgr.all_steps()
+    return out
+
+
+def test_a_failed_resave_is_whole_nowhere_replicas_of_the_older_save_included(
+        tmp_path: Path) -> None:
+    nodes, root = str(tmp_path / "nodes"), str(tmp_path / "root")
+    res = run_ranks(_resave_fails_on_rank_1, 2, nodes, root, timeout_s=120)
+    for r, out in enumerate(res):
+        assert out["held_before"] == {"own": [1], f"rank-{1 - r}": [1]}, out
+        assert out["failed"] and out["listed"] == [] and out["listed_after_restart"] == [], out
+        assert out["held_after"] == {"own": [], f"rank-{1 - r}": []}, out
