@@ -20,14 +20,23 @@ on when the tier opens, and the number of local saves since) and records in its 
 whose re-save of a step failed still holds the older save, so the step is not whole; and a step
 whose last save failed on any rank is not whole anywhere (deleted by every rank).
 
+Peer replicas (``local_replicas`` = k, :mod:`ckptmgr.replicas`): each rank's step is also held by
+k ranks of other nodes under ``<local_path>/rank-<holder>/replicas/rank-<src>/<step>/`` (inside
+the holder's own directory, fenced by its lease), sent by a background thread on a group of its
+own after the save's agreement. A replica counts towards whole steps like the rank's own copy
+(verified, same save id); a restore first heals the ranks whose own copy is missing or damaged
+from a holder. docs/multitier.md "Peer replicas".
+
 Call order (every collective over the caller's ``comm``, same order on every rank):
-1) (all ranks) :meth:`LocalTier.open` in the constructor: lease, scan, verify, agree.
-2) (all ranks) :meth:`LocalTier.save` for a due step: write this rank's step, agree on the
-   outcome, then apply local retention (a step is deleted only after a newer one committed on
-   every rank).
-3) (all ranks) :meth:`LocalTier.restore`: agree that every rank can read the step (files, sizes,
-   layout) before reading; read; agree that every rank succeeded. False means: every rank falls
-   back to the durable tier.
+1) (all ranks) :meth:`LocalTier.open` in the constructor: lease, scan, verify, agree (with
+   replicas: place the holders, make the transfer group).
+2) (all ranks) :meth:`LocalTier.save` for a due step: wait for the previous replica transfer,
+   write this rank's step, agree on the outcome, then apply local retention (a step is deleted,
+   with its replicas, only after a newer one committed on every rank); then start this step's
+   replica transfer in the background (:meth:`LocalTier.wait_replicas` waits for it).
+3) (all ranks) :meth:`LocalTier.restore`: with replicas, ranks lacking their own copy receive it
+   from a holder; agree that every rank can read the step (files, sizes, layout) before reading;
+   read; agree that every rank succeeded. False means: every rank falls back to the durable tier.
 """
 
 from __future__ import annotations
