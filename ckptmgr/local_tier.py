@@ -647,29 +647,37 @@ class LocalTier:
         needy = [r for r, ok in enumerate(comm.all_gather(own_ok)) if not ok]
         if not needy:
             return None, verify_bytes
+        # Each needy rank tries its part's holders in order (alike on every rank): a holder
+        # whose copy went bad since the agreement is followed by the next one.
         parts = self._holders_of.get(step, {})
-        source = {r: min(parts[r]) for r in needy if parts.get(r)}
-        sends = [(r, Sender(self._rep_store(r), step)) for r, h in source.items()
-                 if h == self.rank]
-        receiver = Receiver(self.store, step, self._wanted(self.rank, agreed)) if (
-            self.rank in source) else None
-        try:
-            exchange(comm.group, sends, [] if receiver is None else [
-                (source[self.rank], receiver)])
-        except Exception as e:  # the agreement after this says so on every rank
-            return f"fetching step {step} from its holders failed: {type(e).__name__}: {e}", False
+        left = {r: list(parts.get(r, [])) for r in needy}
+        why: str | None = "no verified copy of this rank's part is held by any rank"
+        while any(left.values()):
+            source = {r: hs.pop(0) for r, hs in left.items() if hs}
+            sends = [(r, Sender(self._rep_store(r), step)) for r, h in source.items()
+                     if h == self.rank]
+            receiver = Receiver(self.store, step, self._wanted(self.rank, agreed)) if (
+                self.rank in source) else None
+            try:
+                exchange(comm.group, sends, [] if receiver is None else [
+                    (source[self.rank], receiver)])
+            except Exception as e:  # the agreement after this says so on every rank
+                return (f"fetching step {step} from its holders failed: {type(e).__name__}: {e}",
+                        False)
+            if receiver is not None and receiver.error is not None:
+                why = f"its copy from rank {source[self.rank]} was refused: {receiver.error}"
+            elif receiver is not None:
+                why = None
+                self._saves[step] = agreed
+                self._bad.discard(step)
+                self._borrowed.pop(step, None)
+                log.info("local tier %s: step %d of this rank received from rank %d (%d bytes)",
+                         self.root, step, source[self.rank], receiver.bytes)
+            done = comm.all_gather(receiver is not None and receiver.error is None)
+            left = {r: hs for r, hs in left.items() if not done[r]}
         if self.rank not in needy:
             return None, verify_bytes
-        if receiver is None:
-            return "no verified copy of this rank's part is held by any rank", False
-        if receiver.error is not None:
-            return f"its copy from rank {source[self.rank]} was refused: {receiver.error}", False
-        self._saves[step] = agreed
-        self._bad.discard(step)
-        self._borrowed.pop(step, None)
-        log.info("local tier %s: step %d of this rank received from rank %d (%d bytes)",
-                 self.root, step, source[self.rank], receiver.bytes)
-        return None, True  # every file's checksum was checked as it arrived
+        return why, why is None  # a received copy had every checksum checked as it arrived
 
     def _own_files_ok(self, step: int, agreed: str | None, verify_bytes: bool) -> bool:
         """Whether this rank's own copy of ``step`` is the agreed save with every file's size

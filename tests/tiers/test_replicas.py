@@ -285,3 +285,23 @@ def test_a_failed_resave_is_whole_nowhere_replicas_of_the_older_save_included(
         assert out["held_before"] == {"own": [1], f"rank-{1 - r}": [1]}, out
         assert out["failed"] and out["listed"] == [] and out["listed_after_restart"] == [], out
         assert out["held_after"] == {"own": [], f"rank-{1 - r}": []}, out
+
+
+def _resume_after_first_holder_lost_its_copy(rank: int, world: int, nodes: str,
+                                             root: str) -> dict[str, Any]:
+    with _manager(rank, nodes, [0, 1, 2], root, 2) as mgr:
+        latest = mgr.latest_step()
+        if rank == 0:  # after the agreement: rank 0 was to send rank 1's part, and cannot
+            shutil.rmtree(Path(nodes, "node0", "rank-0", "replicas", "rank-1", str(latest)))
+        target = _empty()
+        mgr.restore(latest, target)
+        return {"latest": latest, "exact": _same(target, _state(rank, latest))}
+
+
+def test_a_holder_whose_copy_went_bad_is_followed_by_the_next(tmp_path: Path) -> None:
+    nodes, root = str(tmp_path / "nodes"), str(tmp_path / "root")
+    run_ranks(_train, 3, nodes, [0, 1, 2], root, 2, [7], 0, "sync", timeout_s=120)
+    assert _held(nodes, 0, 0) == {"own": [7], "rank-1": [7], "rank-2": [7]}
+    _lose(nodes, 1)
+    res = run_ranks(_resume_after_first_holder_lost_its_copy, 3, nodes, root, timeout_s=120)
+    assert all(r["latest"] == 7 and r["exact"] for r in res), res
