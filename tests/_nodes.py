@@ -198,9 +198,12 @@ class Node:
         # The agent's own output (and unshare's) goes to a file beside the disk: read on failure.
         self.log = os.path.join(os.path.dirname(disk.rstrip("/")), f"node-{name}.log")
         with open(self.log, "ab") as logf:
+            # cwd: not the repository, whose ckptmgr would come first on the agent's sys.path
+            # and shadow a PYTHONPATH given to compare other code.
             self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()],
                                          stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                          env={**os.environ, **(env or {})},
+                                         cwd=os.path.dirname(self.log),
                                          start_new_session=not namespaced)
         theirs.close()
         self._sock = ours

@@ -18,6 +18,8 @@ mixed across ranks).
 from __future__ import annotations
 
 import json
+import re
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,7 +27,7 @@ from typing import Any
 
 import pytest
 from _nodes import TRAIN, Job, Node, Nodes, namespace_problem
-from _servers import FaultProxy, MotoS3
+from _servers import Fault, FaultProxy, MotoS3
 
 pytestmark = pytest.mark.slow  # each case runs two or three 4-rank jobs: 10-40 s
 
@@ -142,3 +144,75 @@ def test_stale_node_never_mixed_in(cluster: Cluster, tmp_path: Path) -> None:
     # or the durable step 0.
     assert (step, version) in {(4, 2), (2, 2), (0, 1)}, (step, version, tier)
     assert tier == ("durable" if step == 0 else "local")
+
+
+def test_one_node_lost_resumes_from_peers(cluster: Cluster, tmp_path: Path) -> None:
+    run = uuid.uuid4().hex
+    # Namespaced nodes are told apart by host name alone (no GROUP_RANK).
+    first = cluster.run(_spec(run, saves=[0, 2, 4], version=1), tmp_path / "first",
+                        group_rank=not cluster.nodes.namespaced)
+    assert all(r["final"]["all"] == [0, 2, 4] for r in first.values()), first
+    cluster.lose(2)  # a replacement node with an empty disk takes its place
+    second = cluster.run(_spec(run, restore="latest", version=2, saves=[6]), tmp_path / "second",
+                         group_rank=not cluster.nodes.namespaced)
+    # The newest local step, from the peers' replica of rank 2's part, bit-exact; the durable
+    # tier lacks it.
+    assert _restored(second) == (4, 1, "local")
+    assert all(r["opened"]["tiers"]["4"] == ["local"] for r in second.values()), second
+    assert all(r["final"]["all"] == [0, 4, 6] for r in second.values()), second
+
+
+def test_node_lost_during_a_replica_transfer(cluster: Cluster, tmp_path: Path) -> None:
+    run = uuid.uuid4().hex
+    job = cluster.start(_spec(run, saves=[0, 2, 4], version=1, hold_replicas=4),
+                        tmp_path / "first")
+    try:
+        # Rank 2's replica of step 4 is on its way (header and manifest sent, no file yet) when
+        # its node is lost; the launcher then kills the other ranks.
+        job.wait_for("replicating", [2])
+        cluster.lose(2)
+    finally:
+        job.close()
+    second = cluster.run(_spec(run, restore="latest", version=2), tmp_path / "second")
+    # No copy of rank 2's step 4 is left: step 4 is not whole. Step 2, whose replicas were
+    # complete, is restored from the local tier (rank 2's part from its peer).
+    assert _restored(second) == (2, 1, "local")
+    assert all(r["opened"]["all"] == [0, 2] for r in second.values()), second
+
+
+def _hold_uploads(cluster: Cluster, run: str, step: int) -> Fault:
+    """A fault that holds the first data-file write of ``step`` to the durable tier (and then
+    resets it, once released): the upload is in flight, its commit still to come."""
+    where = re.compile(rf"/{BUCKET}/{run}/(\.tmp-)?{step}[-/][^?]*data-")
+    return cluster.proxy.add(Fault(match=lambda m, p: m in ("PUT", "POST") and bool(
+        where.search(p)), reset=True, hold=threading.Event()))
+
+
+def test_upload_interrupted_by_node_loss(cluster: Cluster, tmp_path: Path) -> None:
+    run = uuid.uuid4().hex
+    fault = _hold_uploads(cluster, run, 4)
+    spec = _spec(run, saves=[0, 2, 4], version=1, async_save=True)
+    spec["manager"]["save_interval"] = 4  # step 4 is due on both tiers: uploaded from local
+    job = cluster.start(spec, tmp_path / "first")
+    try:
+        assert fault.arrived.wait(60), "the upload of step 4 never started"
+        cluster.lose(1)
+    finally:
+        job.close()
+        assert fault.hold is not None
+        fault.hold.set()
+    spec = _spec(run, restore="latest", version=2)
+    spec["manager"]["save_interval"] = 4
+    second = cluster.run(spec, tmp_path / "second")
+    step, version, tier = _restored(second)
+    # Step 4 from the local tier (rank 1's part from its replica), or the durable step 0: never
+    # a mix.
+    assert (step, version, tier) in {(4, 1, "local"), (0, 1, "durable")}, (step, version, tier)
+    final = second[0]["final"]["tiers"]
+    # The durable copy of step 4: uploaded after the restart (from the local files) or absent;
+    # a fresh job with an empty local tier reads it whole from the durable tier.
+    if "durable" in final.get("4", []):
+        spec = _spec(run, restore=4, version=3, local_sub=uuid.uuid4().hex)
+        spec["manager"]["save_interval"] = 4
+        third = cluster.run(spec, tmp_path / "third")
+        assert _restored(third) == (4, 1, "durable")
