@@ -128,7 +128,6 @@ class Receiver:
                  ) -> None:
         self.store, self.step, self._check = store, step, check
         self.error: str | None = "nothing received"
-        self.manifest: Manifest | None = None
         self.bytes = 0
 
     def buffers(self) -> Generator[torch.Tensor, None, None]:
@@ -144,11 +143,8 @@ class Receiver:
         yield raw_t
         raw = raw_t.numpy().tobytes()
         m = decode_manifest(raw, expected_step=self.step)  # the sender's own, validated copy
-        self.manifest = m
         why = self._check(m)
-        plan = None if why is not None else self._begin(m)
-        if plan is None and why is None:
-            why = f"{self.store.url} holds a foreign directory for step {self.step}"
+        plan, why = (None, why) if why is not None else self._begin(m)
         for entry in m.files:
             writer: Any = None
             if why is None and plan is not None:
@@ -185,19 +181,21 @@ class Receiver:
             self.store.discard(plan)
         self.error = why
 
-    def _begin(self, m: Manifest) -> CommitPlan | None:
-        """A staged attempt (the sender's attempt id: the file names carry it); a committed copy
-        already there is another save (the caller's check says which one is wanted): removed
-        first, through the store's fenced door."""
+    def _begin(self, m: Manifest) -> tuple[CommitPlan | None, str | None]:
+        """A staged attempt (the sender's attempt id: the file names carry it), or why not; a
+        committed copy already there is another save (the caller's check says which one is
+        wanted): removed first, through the store's fenced door."""
         try:
             if self.step in self.store.scan().committed:
                 self.store.delete_step(self.step)
-            return self.store.begin_save(self.step, forced=False, overwrite=False,
+            plan = self.store.begin_save(self.step, forced=False, overwrite=False,
                                          world_size=m.world_size, on_exists="skip",
                                          attempt=m.attempt)
         except (CkptmgrError, StorageError) as e:
-            log.warning("%s: cannot receive step %d: %s", self.store.url, self.step, e)
-            return None
+            return None, f"cannot write into {self.store.url}: {e}"
+        if plan is None:
+            return None, f"{self.store.url} holds a foreign directory for step {self.step}"
+        return plan, None
 
     def _commit(self, plan: CommitPlan, raw: bytes) -> str | None:
         try:
