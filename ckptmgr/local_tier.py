@@ -464,6 +464,8 @@ class LocalTier:
                 got = self._check_owner(m, owner).get("save")
             except CorruptCheckpointError as e:
                 return str(e)
+            if getattr(m, "shared", ()):  # files outside the step directory are not sent
+                return f"step {m.step} references shared chunks; a replica holds no such files"
             return None if got == save else f"it is another save of step {m.step} ({got})"
         return check
 
