@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ckptmgr.codec.checksum import checksum
-from ckptmgr.codec.layout import step_dir_name
+from ckptmgr.codec.layout import is_shared_chunk_path, step_dir_name
 from ckptmgr.codec.manifest import Manifest
 from ckptmgr.codec.metadata import ItemLocation, MetadataDoc
 from ckptmgr.dcp.metadata import metadata_from_doc
@@ -157,7 +157,9 @@ class _TensorSource:
             if f not in listed:
                 raise self._corrupt(f, "not listed in the manifest")
             if sizes[f] is None:
-                raise self._corrupt(f, "file is missing")
+                raise self._corrupt(f, "shared chunk is missing (a step saved with "
+                                       "reuse_unchanged; `ckptmgr verify` lists every damaged "
+                                       "file)" if is_shared_chunk_path(f) else "file is missing")
             if sizes[f] != listed[f]:
                 raise self._corrupt(f, f"size is {sizes[f]} bytes, the manifest says {listed[f]}")
 

@@ -270,3 +270,11 @@ def test_copy_to_and_from_a_store_without_rename(template: str, tmp_path: Path) 
         assert_reuse_restores(back, 40)
     finally:
         fsspec.filesystem("memory").rm(mem.removeprefix("memory://"), recursive=True)
+
+
+def test_export_names_a_missing_shared_chunk(ckpt: str, tmp_path: Path) -> None:
+    gone = base_chunks(ckpt)[0]
+    os.remove(os.path.join(ckpt, gone))
+    with pytest.raises(CorruptCheckpointError, match=f"{gone}: shared chunk is missing"):
+        tools.export_step(ckpt, 30, tmp_path / "w.safetensors")
+    assert not (tmp_path / "w.safetensors").exists()
