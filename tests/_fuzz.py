@@ -778,6 +778,20 @@ def _target_make_templates(where: str) -> dict[str, Any]:
         out["manifest"] = f.read()
     with open(os.path.join(step2, data_name), "rb") as f:
         out["data"] = f.read()
+    # The same state saved with reuse_unchanged=True, every tensor a shared chunk (threshold 0),
+    # so that its manifest (format_version 2) lists shared chunks of the root.
+    import ckptmgr.dcp.writer as writer
+
+    root_reuse = os.path.join(where, "root-reuse")
+    threshold, writer.SHARE_MIN_BYTES = writer.SHARE_MIN_BYTES, 0
+    try:
+        with ckptmgr.CheckpointManager(root_reuse, 1, reuse_unchanged=True) as mgr:
+            mgr.save(1, state, metrics={"loss": 0.25}, metadata={"note": "template"})
+    finally:
+        writer.SHARE_MIN_BYTES = threshold
+    out["root_reuse"] = root_reuse
+    with open(os.path.join(_only_step_dir(root_reuse), "commit.json"), "rb") as f:
+        out["manifest_reuse"] = f.read()
     # A second, different valid manifest (another step, metrics) for splices.
     root3 = os.path.join(where, "root-other")
     with ckptmgr.CheckpointManager(root3, 1) as mgr:

@@ -169,12 +169,16 @@ class Clock:
 
 
 def make_state(seed: int) -> dict[str, Any]:
-    """The training state saved as version ``seed``: tensors of three dtypes and Python values."""
+    """The training state saved as version ``seed``: tensors of three dtypes and Python values,
+    and two tensors large enough to be shared chunks with ``reuse_unchanged=True`` (16 KiB): a
+    frozen one, the same in every version, and a trained one of this version."""
     g = torch.Generator().manual_seed(seed)
     return {
         "w": torch.randn(4, 5, generator=g),
         "b": torch.randint(-2**40, 2**40, (6,), generator=g),
         "h": torch.randn(3, generator=g).to(torch.bfloat16),
+        "frozen": torch.randn(64, 64, generator=torch.Generator().manual_seed(0)),
+        "trained": torch.randn(64, 64, generator=g),
         "extra": {"seed": seed, "tags": [seed % 7, f"s{seed}", None, seed / 3]},
     }
 
@@ -183,6 +187,7 @@ def blank_state() -> dict[str, Any]:
     """A restore target holding values no saved version has."""
     return {"w": torch.full((4, 5), -9.0), "b": torch.full((6,), -9, dtype=torch.int64),
             "h": torch.full((3,), -9.0, dtype=torch.bfloat16),
+            "frozen": torch.full((64, 64), -9.0), "trained": torch.full((64, 64), -9.0),
             "extra": {"seed": -1, "tags": []}}
 
 

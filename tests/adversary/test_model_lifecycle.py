@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import json
 import os
 import shutil
 import tempfile
@@ -62,6 +63,8 @@ from hypothesis.stateful import (
 
 import ckptmgr.storage
 from ckptmgr import CheckpointManager
+from ckptmgr.codec.checksum import checksum
+from ckptmgr.codec.layout import MANIFEST_NAME, SHARED_DIR
 from ckptmgr.errors import (
     AsyncSaveError,
     CheckpointExistsError,
@@ -75,7 +78,9 @@ from ckptmgr.step_store import StepStore
 
 FOREIGN_STEP = 6  # a step directory holding a user's file from the start: never ours
 PLANTS = {"NOTES.txt": b"the user's notes\n", "user-data/a.bin": b"\x00\x01 not ours",
-          f"{FOREIGN_STEP}/notes.txt": b"not a checkpoint\n"}
+          f"{FOREIGN_STEP}/notes.txt": b"not a checkpoint\n",
+          # In the shared chunks' directory, not named like a chunk: never removed.
+          f"{SHARED_DIR}/notes.txt": b"not a chunk\n"}
 LOCAL_KEEP = 2  # local_max_to_keep
 TIME_INTERVAL = 10.0  # keep_time_interval (the model's clock advances 0, 4 or 11 s per save)
 
@@ -152,6 +157,7 @@ CONFIGS = st.fixed_dictionaries({
     "save_interval": st.sampled_from([1, 1, 2]),
     "overwrite": st.booleans(),
     "local_interval": st.sampled_from([None, None, 1, 3]),
+    "reuse": st.booleans(),  # reuse_unchanged: the frozen tensor's chunk shared across steps
 })
 
 
@@ -220,7 +226,8 @@ class Lifecycle(RuleBasedStateMachine):
         """A new writer (a new process) on the root; its view is the root as it is now."""
         c = self.cfg
         kw: dict[str, Any] = dict(chkpt_on_preemption=False, overwrite=c["overwrite"],
-                                  take_over=take_over, **self.policy.kwargs())
+                                  take_over=take_over, reuse_unchanged=c["reuse"],
+                                  **self.policy.kwargs())
         if c["local_interval"] is not None:
             kw.update(local_path=self.local_root, local_interval=c["local_interval"],
                       local_max_to_keep=LOCAL_KEEP)
@@ -461,8 +468,10 @@ class Lifecycle(RuleBasedStateMachine):
         step = self._draw_step(data)
         force = bool(data.draw(st.booleans(), label="force"))
         e = self._expect(step, force, data)
-        # A save makes 8 to 11 mutating storage operations, 9 more with the local tier.
-        most = 12 if self.cfg["local_interval"] is None else 22
+        # A save makes 8 to 11 mutating storage operations, 9 more with the local tier, up to 8
+        # more with reuse (two shared chunks written and renamed, their directory, the sweep).
+        most = (12 if self.cfg["local_interval"] is None else 22) + (8 if self.cfg["reuse"]
+                                                                      else 0)
         self.proc.crash_at = int(data.draw(st.integers(1, most), label="crash before op"))
         err: CkptmgrError | None = None
         got = False
@@ -763,6 +772,13 @@ class Lifecycle(RuleBasedStateMachine):
         assert committed == set(self.durable), (
             f"the root commits {sorted(committed)}; the model: {sorted(self.durable)} (a step "
             "disappeared outside the retention rule, or one appeared)")
+        for step in sorted(committed):  # every shared chunk a committed step lists is whole
+            for chunk in _shared_of(snap, step):
+                data = snap.get(chunk["path"])
+                assert data is not None and len(data) == chunk["size"] and (
+                    checksum(data) == chunk["checksum"]), (
+                    f"step {step} lists shared chunk {chunk['path']}, which is "
+                    f"{'missing' if data is None else 'damaged'}")
         local = snapshot(os.path.join(self.local_root, "rank-0")) if self.local else {}
         for step in sorted(required):
             files = (_files_of(snap, step), _files_of(local, step))
@@ -801,8 +817,21 @@ class Lifecycle(RuleBasedStateMachine):
 
 
 def _files_of(snap: dict[str, bytes], step: int) -> dict[str, bytes]:
+    """The files a step's restore reads: its own, and the shared chunks its manifest lists."""
     prefix = f"{step}/"
-    return {k: v for k, v in snap.items() if k.startswith(prefix)}
+    own = {k: v for k, v in snap.items() if k.startswith(prefix)}
+    for chunk in _shared_of(snap, step):
+        own[chunk["path"]] = snap.get(chunk["path"], b"")
+    return own
+
+
+def _shared_of(snap: dict[str, bytes], step: int) -> list[dict[str, Any]]:
+    """The shared chunks the manifest of ``step`` in ``snap`` lists (none without one)."""
+    try:
+        shared = json.loads(snap[f"{step}/{MANIFEST_NAME}"]).get("shared", [])
+    except (KeyError, ValueError):
+        return []
+    return shared if isinstance(shared, list) else []
 
 
 def _run(env: Env, examples: int, steps: int) -> None:
