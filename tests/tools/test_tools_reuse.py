@@ -278,3 +278,14 @@ def test_export_names_a_missing_shared_chunk(ckpt: str, tmp_path: Path) -> None:
     with pytest.raises(CorruptCheckpointError, match=f"{gone}: shared chunk is missing"):
         tools.export_step(ckpt, 30, tmp_path / "w.safetensors")
     assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_export_hf_of_a_reuse_step(template: str, tmp_path: Path) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    h = tools.export_hf(template, 30, tmp_path / "hf", max_shard_size="4MiB")
+    assert h.prefix == "model" and len(h.shards) >= 2
+    got: dict[str, torch.Tensor] = {}
+    for shard in h.shards:
+        got.update(safetensors_torch.load_file(str(tmp_path / "hf" / shard)))
+    for k, v in reuse_state(30)["model"].items():
+        assert torch.equal(got[k], v), k
