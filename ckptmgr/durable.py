@@ -18,6 +18,19 @@ Call order (collectives over the ``comm`` given, same order on every rank):
    (fenced), and agrees on the new view.
 3) (all ranks) :meth:`DurableTier.restore` reads a step in place; :meth:`DurableTier.rescan`
    lists the root again (a reader's view, or after a writer process died).
+
+Shared chunks (``reuse_unchanged=True``, docs/byte-format.md): as a save begins, on the thread or
+process that writes (never the training thread), the coordinator lists ``chunks/`` and every
+rank gets the list; a rank references a listed chunk whose bytes its staged chunk hashes to, and
+writes the others. After the commit, the coordinator removes the chunks no committed manifest
+lists (:meth:`StepStore.remove_unreferenced_chunks`, fenced). That can never remove a chunk a
+save is writing or about to reference, because nothing else is in flight then: saves of one
+root run one at a time (the writer lease keeps other jobs out; a manager's queue runs one save,
+its retention and this sweep to the end before the next save begins, whether it runs on the
+worker thread or, with ``async_mode="process"``, in the writer process, where this same object
+does both), and the chunk list of a save is taken after the previous save's sweep ended. A crash
+anywhere leaves at worst chunks no committed step lists; the first commit of the next writer
+sweeps them (and so does ``ckptmgr prune``).
 """
 
 from __future__ import annotations
@@ -245,7 +258,7 @@ class DurableTier:
         """
         t_write = time.perf_counter()
         try:
-            if self.reuse_unchanged:
+            if self.reuse_unchanged and not spmd:  # the XLA-SPMD planner keeps whole steps
                 # Here, on the thread (or process) that writes, not when the save was planned
                 # on the training thread: listing the chunks must not add to save_async's
                 # blocked time.
