@@ -405,7 +405,11 @@ def _verify_one(storage: Storage, step: int, p: Progress,
                 continue
         else:
             files_checked += 1
-        ranges = _RangeHashes(items)
+        # A shared chunk holds one item, all of it, whose checksum is the chunk's own: the
+        # whole-file check is that item's check, so its bytes are not hashed a second time.
+        whole = [(name, loc) for name, loc in items
+                 if (loc.offset, loc.length, loc.checksum) == (0, f.size, f.checksum)]
+        ranges = _RangeHashes([it for it in items if it not in whole])
         digest = DigestCheck(f.path) if is_shared else None
         try:
             value, n = _read_and_hash(storage, stored_path(sdir, f.path), f.size, buf, p,
@@ -422,6 +426,8 @@ def _verify_one(storage: Storage, step: int, p: Progress,
         elif digest is not None and (wrong := digest.mismatch()) is not None:
             reasons.append(wrong)
         bad = ranges.mismatches()
+        if value != f.checksum:  # the items that span the whole file are damaged with it
+            bad = [*(name for name, _ in whole), *bad]
         if bad:
             shown = ", ".join(repr(b) for b in bad[:5]) + (", ..." if len(bad) > 5 else "")
             reasons.append(f"item checksum mismatch in {shown}")
