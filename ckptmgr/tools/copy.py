@@ -76,7 +76,7 @@ def _copy_file(src: Storage, src_path: str, dst: Storage, dst_path: str, size: i
     """Stream one file, its checksum (and for a shared chunk, the digest its name promises)
     checked before the destination file is committed."""
     digest = DigestCheck(name) if is_shared_chunk_path(name) else None
-    writer = dst.open_writer(dst_path, size_hint=size)
+    writer = dst.open_writer(dst_path)
     try:
         hasher = Hasher()
         pos = 0
