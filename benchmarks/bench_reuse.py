@@ -11,6 +11,9 @@ Scenarios, each on a state of ``--size`` bytes (default 1 GiB, float32):
 - ``trained``: every byte changes before every save (full fine-tuning): nothing can be shared, so
   reuse on only adds the hashing. Interleaved pairs (reuse off then on, then on then off, ...),
   each side with its own root and manager; ratio on/off per pair. Target: overhead <= 5%.
+- ``async``: the 90% frozen state saved with ``save_async`` in interleaved pairs, reuse off and
+  on: the time the caller is blocked (the hash runs on the write threads, after the call returned,
+  so it should not grow) and the time until committed.
 - ``embedding`` and ``embedding_hot``: one embedding table (rows x 256 float32) where 1% of the
   rows change before every save: ``embedding`` draws the rows uniformly (the worst case for fixed
   chunks: a chunk changes if any of its rows does); ``embedding_hot`` draws them from a Zipf law
@@ -57,7 +60,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # benchmarks/ is not a package: bench.py sits beside this file
 
-SCENARIOS = ["frozen", "trained", "embedding", "embedding_hot"]
+SCENARIOS = ["frozen", "trained", "embedding", "embedding_hot", "async"]
 EMBED_DIM = 256  # columns of the embedding table (1 KiB rows in float32)
 CHANGED_ROWS = 0.01  # the fraction of the table's rows changed before each save
 FROZEN_SHARE = 0.9  # the fraction of the frozen state's bytes that never changes
@@ -365,10 +368,65 @@ class Bench:
                     mgr.close()
         bench.settle(roots.values())
 
+    # -- save_async: the time the training thread is blocked, reuse off against on, interleaved
+
+    def run_async_pairs(self) -> None:
+        cfg = self.cfg
+        state, trained = frozen_state(cfg.size, cfg.count, seed=11)
+        mut = Mutator("frozen", state, trained)
+        roots = {"off": self._root("async-off"), "on": self._root("async-on")}
+        step = {"off": 0, "on": 0}
+
+        def timed(side: str) -> tuple[float, float]:
+            os.sync()
+            gc.collect()
+            step[side] += 1
+            t = time.perf_counter()
+            if not mgrs[side].save_async(step[side], state):
+                raise SystemExit(f"step {step[side]} was not saved")
+            blocked = time.perf_counter() - t
+            mgrs[side].join()
+            return blocked, time.perf_counter() - t
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mgrs = {side: self._manager(roots[side], side == "on") for side in roots}
+            try:
+                for side in ("off", "on"):  # untimed: staging buffers, a step to share with
+                    timed(side)
+                for i in range(cfg.warmup + cfg.pairs):
+                    keep = i >= cfg.warmup
+                    order = ("off", "on") if i % 2 == 0 else ("on", "off")
+                    got: dict[str, tuple[float, float]] = {}
+                    for side in order:
+                        mut.step()
+                        got[side] = timed(side)
+                    tag = "warm-up" if not keep else f"pair {i - cfg.warmup + 1}/{cfg.pairs}"
+                    print(f"[bench_reuse] async {tag}: blocked off {got['off'][0]:.3f} s, on "
+                          f"{got['on'][0]:.3f} s; committed off {got['off'][1]:.3f} s, on "
+                          f"{got['on'][1]:.3f} s; load {os.getloadavg()[0]:.2f}",
+                          file=sys.stderr, flush=True)
+                    self.loadavg.append(os.getloadavg()[0])
+                    if not keep:
+                        continue
+                    for side in ("off", "on"):
+                        self._s(f"async.blocked_{side}_s", "s", f"save_async, reuse {side}: time "
+                                "the caller was blocked").samples.append(got[side][0])
+                    self._s("async.blocked_ratio", "x", "per pair, on / off, time blocked"
+                            ).samples.append(got["on"][0] / got["off"][0])
+                    self._s("async.committed_ratio", "x", "per pair, on / off, time until "
+                            "committed (90% frozen)").samples.append(got["on"][1] / got["off"][1])
+            finally:
+                for mgr in mgrs.values():
+                    mgr.close()
+        bench.settle(roots.values())
+
     def run(self) -> None:
         for scenario in self.cfg.scenarios:
             if scenario == "trained":
                 self.run_pairs()
+            elif scenario == "async":
+                self.run_async_pairs()
             else:
                 self.run_series(scenario)
 

@@ -38,6 +38,9 @@ def test_quick_run(tmp_path: Path) -> None:
         assert run["bytes"][0] >= run["state_bytes"]
         assert max(run["bytes"][1:]) <= run["bytes"][0] * 1.01
     assert len(series["trained.time_ratio"]["samples"]) == 2
+    for what in ("blocked_off_s", "blocked_on_s", "blocked_ratio", "committed_ratio"):
+        s = series[f"async.{what}"]
+        assert len(s["samples"]) == 2 and s["median"] > 0, s
     assert series["floor.write"]["median"] > 0 and series["floor.hash"]["median"] > 0
     assert {t["measure"] for t in doc["targets"]} == {
         "frozen.bytes_ratio", "frozen.time_ratio", "trained.time_ratio"}
