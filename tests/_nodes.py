@@ -184,8 +184,14 @@ class Node:
         self.disk = disk
         self.namespaced = namespaced
         self.lost = False
+        # The agent's own output (and unshare's) goes to a file beside the disk: read on failure.
+        self.log = os.path.join(os.path.dirname(disk.rstrip("/")), f"node-{name}.log")
+        os.makedirs(os.path.dirname(self.log), exist_ok=True)
+        script = os.path.join(os.path.dirname(self.log), "node_agent.py")
+        if not os.path.exists(script):  # a file, not -c: a readable command line in ps
+            Path(script).write_text(_AGENT)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        agent = [sys.executable, "-c", _AGENT, str(theirs.fileno()), json.dumps(list(preload))]
+        agent = [sys.executable, script, str(theirs.fileno()), json.dumps(list(preload))]
         if namespaced:
             if not os.path.isdir(disk):
                 raise NodeError(f"the mount point {disk} of node {name} does not exist")
@@ -195,11 +201,10 @@ class Node:
         else:
             os.makedirs(disk, exist_ok=True)
             argv = agent
-        # The agent's own output (and unshare's) goes to a file beside the disk: read on failure.
-        self.log = os.path.join(os.path.dirname(disk.rstrip("/")), f"node-{name}.log")
         with open(self.log, "ab") as logf:
-            # cwd: not the repository, whose ckptmgr would come first on the agent's sys.path
-            # and shadow a PYTHONPATH given to compare other code.
+            # cwd: not the repository (the agent's sys.path starts with its script's folder,
+            # never the repository's, whose ckptmgr would shadow a PYTHONPATH given to compare
+            # other code).
             self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()],
                                          stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
                                          env={**os.environ, **(env or {})},
