@@ -20,6 +20,9 @@ process (tests/_servers.py). The job is tests/fixtures/node_train.py. Each repet
    replaced by an empty one. A restarted job restores the newest step (3, local only) from the
    peers; another, with empty local tiers, restores the newest durable step (2) from the S3 server.
    Measured: restart to restored (from the rank's start: process group, manager, restore).
+4. A job killed while the durable copy of its step 2 is on its way (held at a fault proxy in
+   front of the S3 server), every node kept: restart to restored of step 2 from the local tier
+   while the durable copy the root lacks is owed (made again at construction).
 
 Each figure is the slowest rank's; medians and minimums over the repetitions (the first is not
 discarded: every repetition starts new jobs the same way). ``--quick``: 2 nodes, 1 MiB, 1
@@ -34,6 +37,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -43,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 from _nodes import TRAIN, Job, Nodes, namespace_problem  # noqa: E402
-from _servers import MotoS3  # noqa: E402
+from _servers import Fault, FaultProxy, MotoS3  # noqa: E402
 
 BUCKET = "bench-nodes"
 
@@ -92,6 +96,34 @@ def _save_job(nodes: list[Any], root: str, numel: int, replicas: int, dir: str,
     return out, sub
 
 
+def _owed_restart(nodes: list[Any], proxy: FaultProxy, numel: int, d: str,
+                  env: dict[str, str], timeout_s: float) -> tuple[dict[int, Any], str]:
+    """A job killed while step 2's durable copy is on its way (its first data write held at the
+    proxy), every node kept; the restarted job restores step 2 from the local tier while the
+    copy the root still lacks is owed."""
+    root = f"s3://{BUCKET}/{uuid.uuid4().hex}"
+    sub = uuid.uuid4().hex
+    key = root.split("://", 1)[1]
+    fault = proxy.add(Fault(match=lambda m, p: m in ("PUT", "POST") and f"/{key}/" in p
+                            and "data-" in p, reset=True, hold=threading.Event()))
+    penv = {**env, "AWS_ENDPOINT_URL_S3": proxy.url}
+    job = Job(nodes, [str(TRAIN), json.dumps(_spec(root, sub, numel, 0, saves=[2],
+                                                   async_save=True))], f"{d}-killed", env=penv,
+              timeout_s=timeout_s)
+    try:
+        if not fault.arrived.wait(timeout_s):
+            raise AssertionError("the durable copy of step 2 never started")
+    finally:
+        job.close()
+        assert fault.hold is not None
+        fault.hold.set()
+    res = _run(nodes, _spec(root, sub, numel, 0, restore="latest"), f"{d}-owed", penv,
+               timeout_s)
+    assert all(r["restored"]["step"] == 2 and r["restored"]["consistent"]
+               for r in res.values()), res
+    return res, root
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--mib", type=float, default=256.0, help="MiB of state per rank")
@@ -111,6 +143,7 @@ def main() -> None:
     server = MotoS3()
     server.make_bucket(BUCKET)
     fs = server.fs()
+    proxy = FaultProxy(server.endpoint_url)
     env = {"AWS_ENDPOINT_URL_S3": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.key,
            "AWS_SECRET_ACCESS_KEY": server.secret, "AWS_DEFAULT_REGION": "us-east-1"}
     work = tempfile.mkdtemp(prefix="ckptmgr-bench-nodes-")
@@ -175,12 +208,18 @@ def main() -> None:
                 _slowest(durable, "restored", "restart_to_restored_s"))
             add("  of which restore() ", _slowest(durable, "restored", "restore_s"))
             drop(root)
+            owed, root = _owed_restart(live, proxy, numel, d, env, timeout_s)
+            add("restart to restored, nodes kept, a durable copy owed (step 2, local)",
+                _slowest(owed, "restored", "restart_to_restored_s"))
+            add("  of which restore()  ", _slowest(owed, "restored", "restore_s"))
+            drop(root)
             for node in live:  # the next repetition starts with empty disks
                 node.wipe_disk()
     finally:
         nodes.close()
         if base_nodes is not None:
             base_nodes.close()
+        proxy.stop()
         server.stop()
     load = os.getloadavg()
     print(f"{args.nodes} nodes ({'namespaced, tmpfs disks' if namespaced else 'plain processes'})"
