@@ -457,6 +457,11 @@ def verify_steps(url: str, steps: Sequence[int | None] | None = None, *, all_ste
     value) lies inside its file and matches its own checksum. Files are read once, in
     ``16 MiB`` pieces.
 
+    The shared chunks a step references (``reuse_unchanged=True``: ``chunks/<32 hex>`` under the
+    root) are checked like its own files, and also that their bytes hash (xxh3-128) to their
+    name. A chunk several of the steps reference is read once per call; its damage is reported
+    in the result of every step that references it.
+
     Args:
         url: the root.
         steps: the steps to check (None in it: the newest committed step); None with
