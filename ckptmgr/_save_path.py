@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptmgr._async import SaveQueue, Stager
@@ -26,13 +26,14 @@ from ckptmgr.codec.manifest import check_metadata, check_metrics
 from ckptmgr.config import ManagerConfig, check_flag
 from ckptmgr.dcp.checkpoint import PreparedSave, prepare_save
 from ckptmgr.dcp.state import check_state_dict
-from ckptmgr.durable import DurableTier, fits_in_grace
+from ckptmgr.durable import DurableOutcome, DurableTier, fits_in_grace
 from ckptmgr.errors import AsyncSaveError, CkptmgrError, ConfigError, SaveError
 from ckptmgr.events import Listeners, log_save
 from ckptmgr.info import SaveStats
-from ckptmgr.local_tier import LocalTier
+from ckptmgr.local_tier import UPLOAD_KEY, LocalTier
 from ckptmgr.preemption import PreemptionWatcher, agree_preemption, warn_if_over_grace
 from ckptmgr.step_store import CommitPlan
+from ckptmgr.uploader import Uploader, UploadJob
 from ckptmgr.writer_process import DurableJob, WriterProcess, stop_if_stuck, wire_items
 
 __all__ = ["SavePath"]
@@ -58,8 +59,10 @@ class _Ready:
 
     request: _Request
     prepared: PreparedSave
-    plan: CommitPlan | None  # None: the local tier only
+    plan: CommitPlan | None  # None: the local tier only, or the uploader plans (upload)
     local: bool = False  # also (first) to the local tier
+    upload: bool = False  # the durable copy is made from the local step (ckptmgr.uploader)
+    durable_due: bool = False  # due on the durable tier (recorded in the local step)
 
 
 class SavePath:
@@ -69,6 +72,7 @@ class SavePath:
     config: ManagerConfig
     _durable: DurableTier
     _local: LocalTier | None
+    _uploads: Uploader | None  # durable copies made from local steps (save_async, local tier)
     _queue: SaveQueue
     _stager: Stager
     _writer: WriterProcess | None
@@ -149,11 +153,31 @@ class SavePath:
         return True
 
     def join(self) -> None:
-        """Wait for the save in flight and its retention; re-raise its failure once.
+        """Wait for the save in flight, its retention, its peer replica transfer and the durable
+        copies being made from local steps; re-raise a failure once.
 
         Raises:
-            AsyncSaveError: the background save failed; its original error is ``__cause__``.
+            AsyncSaveError: the background save, or a durable copy, failed (``step``: its step);
+                the original error is ``__cause__``.
         """
+        self._join_saves()
+        if self._uploads is not None:
+            self._uploads.drain(self._caller)
+            self._raise_upload_failure()
+
+    def _raise_upload_failure(self) -> None:
+        """(every rank alike: failures are adopted by agreement) Raise the first failed durable
+        copy not raised yet."""
+        failed = self._uploads.failure() if self._uploads is not None else None
+        if failed is not None:
+            step, err = failed
+            raise AsyncSaveError(f"the background durable copy of step {step} failed: {err}",
+                                 step=step, failures=getattr(err, "failures", None) or {}) from err
+
+    def _join_saves(self) -> None:
+        """Wait for the save queue's job (the local write, or the whole save without a local
+        tier) and its replica transfer, not for durable copies in flight; re-raise its failure
+        once."""
         err = self._queue.wait()
         if self._local is not None:  # and for the peer replica transfer it started
             self._local.wait_replicas()
@@ -219,29 +243,49 @@ class SavePath:
                      self._inflight_step)
             self._given.remember(req.step, state_dict, req)
             return False
+        durable = req.forced or req.step % self.config.save_interval == 0
+        local = self._local is not None and (req.forced or self._local.due(req.step))
+        # A step due on both tiers by their intervals, saved in the background: its durable copy
+        # is made from the local files by the uploader; the next save does not wait for it.
+        upload = (may_skip and local and durable and not req.forced
+                  and self._uploads is not None)
         restarted = self._writer is not None and self._writer.ensure(self._caller,
                                                                      self._durable.lease)
         try:
-            self.join()
+            self._join_saves()
+            if self._uploads is not None:
+                # A durable save planned here writes the root alone: the uploads end first.
+                (self._uploads.adopt if upload or not durable else self._uploads.drain)(
+                    self._caller)
+                self._raise_upload_failure()
         finally:  # a writer process that died may have committed before it could say so
             if restarted:
                 self._durable.rescan(self._caller)
         self._given.saved(req.step)  # this save covers the steps given before
-        return self._prepare(req, state_dict, on_exists="raise",
-                             durable=req.forced or req.step % self.config.save_interval == 0,
-                             local=self._local is not None and (req.forced or self._local.due(
-                                 req.step)))
+        return self._prepare(req, state_dict, on_exists="raise", durable=durable, local=local,
+                             upload=upload)
 
     def _prepare(self, req: _Request, state_dict: Mapping[str, Any], *,
-                 on_exists: str, durable: bool = True, local: bool = False) -> _Ready | bool:
-        """(caller thread, collective) Flatten and check the state; the coordinator plans."""
+                 on_exists: str, durable: bool = True, local: bool = False,
+                 upload: bool = False) -> _Ready | bool:
+        """(caller thread, collective) Flatten and check the state; the coordinator plans
+        (``upload``: the uploader plans the durable part later, when it copies the local step).
+        """
         comm = self._caller
         prepared = comm.agree(lambda: prepare_save(state_dict, planner=self.config.planner,
                                                    trusted=req.trusted), token=req.step)
+        if prepared.spmd:  # sharded XLA tensors: the local tier cannot hold them
+            upload = False
         plan = comm.on_coordinator(lambda: self._durable.begin(
             req.step, forced=req.forced, world_size=comm.world_size, metrics=req.metrics,
-            metadata=req.metadata, mesh=prepared.mesh, on_exists=on_exists)) if durable else None
-        if local and plan is None and (durable or self._durable.view.holds(req.step)):
+            metadata=req.metadata, mesh=prepared.mesh, on_exists=on_exists)) if (
+                durable and not upload) else None
+        view = self._durable.view  # agreed: the uploads it lacks were adopted alike everywhere
+        if upload and (req.step in view.foreign or (req.step in view.records
+                                                    and not self._durable.overwrite)):
+            log.warning("step %d is already in %s: not saved again", req.step, self._durable.url)
+            return False  # as begin() skips a due save of a step the root holds
+        if local and not upload and plan is None and (durable or view.holds(req.step)):
             # The durable tier holds this step and keeps it: a new local copy would make two
             # versions of one step (which one a restore gets would depend on local retention).
             log.warning("skipping the local-tier save of step %d: the durable tier holds that "
@@ -251,7 +295,7 @@ class SavePath:
         if plan is None and not local:
             return False
         self._events.emit("on_save_start", req.step)
-        return _Ready(req, prepared, plan, local)
+        return _Ready(req, prepared, plan, local, upload=upload, durable_due=durable)
 
     def _submit(self, ready: _Ready) -> None:
         """(caller thread) Stage the state (copies: the caller may change it from now on) and
@@ -274,7 +318,7 @@ class SavePath:
         self._given.given = None  # this is the last checkpoint: close() saves nothing after it
         try:
             with stop_if_stuck(self._writer, self.config.preemption.grace_s / 3):
-                self.join()
+                self._join_saves()
         except AsyncSaveError as e:  # the last checkpoint matters more than the one before it
             log.error("the save before the preemption failed: %s", e)
         if self._local is not None:  # the fast tier first, the durable one if the grace allows
@@ -282,9 +326,16 @@ class SavePath:
                                         local=True)
             try:
                 if isinstance(local_ready, _Ready):  # False: the durable tier holds the step
-                    self._write(local_ready, local_ready.prepared.flat, self._caller, None)
+                    self._write(replace(local_ready, durable_due=True),
+                                local_ready.prepared.flat, self._caller, None)
             except SaveError as e:
                 log.error("the local-tier preemption save failed: %s", e)
+        if self._uploads is not None:  # the root is written by one writer at a time
+            self._uploads.drain(self._caller)
+            try:
+                self._raise_upload_failure()
+            except AsyncSaveError as e:
+                log.error("a durable copy before the preemption failed: %s", e)
         fits = self._local is None or self._caller.on_coordinator(lambda: fits_in_grace(
             time.perf_counter() - req.t_call, self._last_stats, self.config.preemption.grace_s))
         ready = self._prepare(req, state_dict, on_exists="skip") if fits else True
@@ -310,10 +361,27 @@ class SavePath:
         thread for ``save_async`` (the worker's); ``wire``: the durable part runs in the writer.
         """
         plan, req = ready.plan, ready.request
+        # A local step due on the durable tier says so (with what its durable copy needs): a
+        # restart uploads it if the root lacks it (ckptmgr.uploader).
+        metadata = {**req.metadata, UPLOAD_KEY: {"mesh": ready.prepared.mesh,
+                                                 "trusted": req.trusted}
+                    } if ready.durable_due else req.metadata
         local_err = self._local.save(
-            req.step, flat, comm, metrics=req.metrics, metadata=req.metadata,
+            req.step, flat, comm, metrics=req.metrics, metadata=metadata,
             trusted=req.trusted, num_threads=self.config.async_.num_of_threads,
         ) if ready.local and self._local is not None else None
+        if ready.upload and self._uploads is not None:
+            job = UploadJob(req.step, blocking_s or 0.0, self._stager.last_staged_bytes)
+            if local_err is None:  # the staging buffers are free once this returns
+                self._uploads.submit(job)
+                return
+            # No local step to copy: the durable part from the staged copy, as without a local
+            # tier, after the uploads before it (in this process: the uploader's tier).
+            done = self._uploads.write_now(job, lambda tier: self._write_staged(
+                tier, ready, flat, comm))
+            if done is not None:
+                self._record_durable(req.step, done, blocking_s, job.staging_bytes, req.t_call)
+            raise local_err
         if plan is None:
             if local_err is not None:
                 raise local_err
@@ -332,18 +400,42 @@ class SavePath:
                 # two versions. The local copy goes (the failure is agreed on every rank).
                 self._local.forget(req.step)
             raise
-        stats = SaveStats(
-            step=plan.step,
-            blocking_s=blocking_s if blocking_s is not None else time.perf_counter() - req.t_call,
-            write_s=out.write_s, bytes=out.bytes_written, total_bytes=out.total_bytes,
-            staging_bytes=self._stager.last_staged_bytes if blocking_s is not None else 0,
-            pinned_bytes=self._stager.pinned_nbytes)
-        self._last_stats = stats
-        took = stats.blocking_s + (out.write_s if blocking_s is not None else 0.0)
-        if self.config.preemption.enabled and not self._grace_warned:
-            self._grace_warned = warn_if_over_grace(plan.step, took,
-                                                    self.config.preemption.grace_s)
-        log_save(stats, self._durable.url)
-        self._events.emit("on_save_end", stats)
+        self._record_durable(plan.step, out, blocking_s,
+                             self._stager.last_staged_bytes if blocking_s is not None else 0,
+                             req.t_call)
         if local_err is not None:
             raise local_err
+
+    def _write_staged(self, tier: DurableTier, ready: _Ready, flat: dict[str, Any],
+                      comm: Comm) -> DurableOutcome | None:
+        """(collective over ``comm``) Plan and write ``ready``'s durable part from ``flat``
+        through ``tier`` (the uploader's, while no upload runs); None: the root holds the step."""
+        req = ready.request
+        plan = comm.on_coordinator(lambda: tier.begin(
+            req.step, forced=req.forced, world_size=comm.world_size, metrics=req.metrics,
+            metadata=req.metadata, mesh=ready.prepared.mesh, on_exists="raise"))
+        if plan is None:
+            return None
+        return tier.save(flat, plan, comm, spmd=ready.prepared.spmd, trusted=req.trusted)
+
+    def _uploaded(self, job: UploadJob, out: DurableOutcome) -> None:
+        """(uploader thread) A durable copy committed: its figures, as for a save."""
+        self._record_durable(job.step, out, job.blocking_s, job.staging_bytes, None)
+
+    def _record_durable(self, step: int, out: DurableOutcome, blocking_s: float | None,
+                        staging_bytes: int, t_call: float | None) -> None:
+        """Record, log and announce a durable commit (``blocking_s`` None: a blocking save,
+        which blocked since ``t_call``)."""
+        if blocking_s is None:
+            blocking_s = time.perf_counter() - (t_call or time.perf_counter())
+            took = blocking_s
+        else:
+            took = blocking_s + out.write_s
+        stats = SaveStats(step=step, blocking_s=blocking_s, write_s=out.write_s,
+                          bytes=out.bytes_written, total_bytes=out.total_bytes,
+                          staging_bytes=staging_bytes, pinned_bytes=self._stager.pinned_nbytes)
+        self._last_stats = stats
+        if self.config.preemption.enabled and not self._grace_warned:
+            self._grace_warned = warn_if_over_grace(step, took, self.config.preemption.grace_s)
+        log_save(stats, self._durable.url)
+        self._events.emit("on_save_end", stats)

@@ -79,12 +79,15 @@ from ckptmgr.replicas import Receiver, Replicator, Sender, exchange, node_id, pl
 from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import open_storage
 
-__all__ = ["LAYOUT_KEY", "LocalTier", "check_local_path", "local_view"]
+__all__ = ["LAYOUT_KEY", "UPLOAD_KEY", "LocalTier", "check_local_path", "local_view"]
 
 log = logging.getLogger("ckptmgr")
 
 LAYOUT_KEY = "_ckptmgr_local_tier"
 """Manifest metadata key of a local step: rank, world size and each DTensor's chunk."""
+UPLOAD_KEY = "_ckptmgr_upload"
+"""Manifest metadata key of a local step due on the durable tier: what its durable copy needs
+(the mesh description, trusted); :mod:`ckptmgr.uploader` sets and reads it."""
 
 _READ_PIECE = 8 << 20
 # A staged host copy of a DTensor's local shard, where the staging makes one (save_async).
@@ -190,6 +193,7 @@ class LocalTier:
         self._agreed_saves: dict[int, str | None] = {}  # whole steps: the save every rank holds
         self._session = ""  # agreed when the tier opens; with _num_saves, names each save
         self._num_saves = 0
+        self.owed: set[int] = set()  # due on the durable tier, not uploaded yet: kept (uploader)
         self.last_failure: str | None = None  # why the last restore of a step fell back
         self.last_failure_touched = False  # whether that restore had written into the target
         # Peer replicas (docs/multitier.md "Peer replicas"); a reader never writes or heals, so
@@ -547,6 +551,8 @@ class LocalTier:
                         "waits for the next save", self.root)
             return
         for s in mine:  # every removal goes through the store's fenced door
+            if s in self.owed and s not in self._bad:
+                continue  # the durable tier is still owed its copy (ckptmgr.uploader)
             if s in self.steps and s not in self._bad and self._saves.get(
                     s, "-") == self._agreed_saves[s]:
                 continue  # (a copy of another save of a whole step is deleted: not restorable)
@@ -772,7 +778,7 @@ class LocalTier:
         assert self.store is not None
         m = self._borrowed.get(step) or self.store.read_manifest(step)
         info = StepInfo.from_manifest(m)
-        meta = {k: v for k, v in m.metadata.items() if k != LAYOUT_KEY}
+        meta = {k: v for k, v in m.metadata.items() if k not in (LAYOUT_KEY, UPLOAD_KEY)}
         layout = m.metadata.get(LAYOUT_KEY) or {}
         return replace(info, metadata=meta, world_size=int(layout.get("world_size", 1)),
                        bytes_per_rank={int(layout.get("rank", self.rank)): info.total_bytes},
@@ -787,6 +793,19 @@ class LocalTier:
         if self.lease is not None:
             self.lease.release()
             self.lease = None
+
+    def upload_source(self, step: int) -> tuple[Any, str]:
+        """(ckptmgr.uploader) This rank's own committed ``step`` as its durable copy is made
+        from it: the manifest and metadata (read, checked, and this rank's of this world size),
+        with the listed file sizes, and the directory of its files. Reads no data.
+
+        Raises:
+            CheckpointNotFoundError, CorruptCheckpointError: absent, or not this rank's part.
+        """
+        assert self.store is not None
+        source = read_restore_source(self.store, step, verify=True)
+        self._check_owner(source.manifest)
+        return source, os.path.join(self.root, step_dir_name(step))
 
 
 def _save_order(save: str | None) -> tuple[int, int, str]:

@@ -38,6 +38,7 @@ from ckptmgr.initial import KeyMap, load_initial
 from ckptmgr.local_tier import LocalTier, check_local_path
 from ckptmgr.policy import best_step
 from ckptmgr.preemption import PreemptionWatcher
+from ckptmgr.uploader import Uploader
 from ckptmgr.writer_process import WriterProcess
 
 __all__ = ["CheckpointManager"]
@@ -123,6 +124,7 @@ class CheckpointManager(SavePath):
         self._last_stats: SaveStats | None = None
         self._events = Listeners()
         self._local: LocalTier | None = None  # the node-local tier
+        self._uploads: Uploader | None = None  # durable copies made from local steps
         self._given = LastGiven(cfg.save_on_close)  # the newest step given and not saved
         self._closing = False  # close() is saving the last step given
         self._exit_failing: bool | None = None  # set by __exit__: left by an exception
@@ -138,6 +140,16 @@ class CheckpointManager(SavePath):
             self._local = LocalTier.open(  # its replica transfers: a group of their own
                 cfg, self._caller, lambda: Comm(make_group(process_group, timeout), timeout)
             ) if cfg.local.path else None
+            if self._local is not None and not cfg.read_only:
+                # Durable copies of local steps, made in the background on a group of their own
+                # (also with async_mode="process": the writer process reads the staged state it
+                # is handed by reference, while an upload reads the local files, which this
+                # process maps; its work is hashing and I/O, which release the GIL).
+                self._uploads = Uploader(
+                    self._durable, self._local,
+                    Comm(group and make_group(process_group, timeout), timeout),
+                    on_commit=self._uploaded)
+                self._uploads.owed_at_start(self._caller)
             if self._writer is not None:  # started now: it is ready by the first save
                 self._writer.ensure(self._caller, self._durable.lease)
             self._preempt = PreemptionWatcher(
@@ -350,6 +362,9 @@ class CheckpointManager(SavePath):
         self._caller.destroy()
         self._worker.destroy()
         self._caller = self._worker = Comm(None)
+        if self._uploads is not None:  # close() waited for its jobs; none starts from now on
+            self._uploads.close()
+            self._uploads.comm.destroy()
         if self._local is not None:
             self._local.close()
         self._durable.release()

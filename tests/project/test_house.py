@@ -63,7 +63,7 @@ LAYERS = {
     "dcp": 3, "optim": 3, "rng": 3,
     "_dist": 4, "formats": 4,
     "_async": 5, "preemption": 5, "durable": 5, "local_tier": 5, "replicas": 5, "initial": 5,
-    "writer_process": 5, "_save_on_close": 5, "_save_path": 5,
+    "writer_process": 5, "_save_on_close": 5, "_save_path": 5, "uploader": 5,
     "manager": 6, "tools": 6,
     "cli": 7, "integrations": 7, "__init__": 8, "__main__": 8,
 }

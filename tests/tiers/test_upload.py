@@ -1,0 +1,317 @@
+"""Durable copies made from the local tier's files in the background (ckptmgr.uploader).
+
+Real files (a local durable root, or ``faulty://`` over memory for held and failing uploads, or
+the moto S3 server), real gloo ranks for the collective path. A held upload is a fact the test
+arranges (the fault file system's gate holds the durable data writes), never a guess about timing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _faulty import FaultyFS, Gate, install, reset
+from _procs import run_ranks, wait_for_file
+
+import ckptmgr
+from ckptmgr import AsyncSaveError
+from ckptmgr.errors import CorruptCheckpointError
+
+BUCKET = "ckpt-tests"
+
+
+@pytest.fixture
+def faulty() -> Iterator[str]:
+    fs_cls = install()
+    url = f"faulty://upload-tests/{uuid.uuid4().hex}"
+    yield url
+    reset()
+    fs = fs_cls()
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+
+
+def _state(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 16, generator=g),
+            "b": torch.arange(7, dtype=torch.bfloat16) * step,
+            "extra": {"step": step, "name": f"s{step}", "pair": (1, 2.5), "none": None}}
+
+
+def _target() -> dict[str, Any]:
+    return {"w": torch.zeros(64, 16), "b": torch.zeros(7, dtype=torch.bfloat16),
+            "extra": {"step": -1, "name": "", "pair": None, "none": 0}}
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"])
+            and a["extra"] == b["extra"])
+
+
+def _mgr(durable: str, node: Path, **kw: Any) -> ckptmgr.CheckpointManager:
+    kw.setdefault("local_interval", 5)
+    return ckptmgr.CheckpointManager(durable, save_interval=10, local_path=str(node), **kw)
+
+
+def _durable_steps(durable: str) -> list[int]:
+    with ckptmgr.CheckpointManager(durable, save_interval=10, read_only=True) as reader:
+        return reader.all_steps()
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_durable_copy_restores_bit_exact(tmp_path: Path, mode: str) -> None:
+    durable = str(tmp_path / "durable")
+    with _mgr(durable, tmp_path / "node", async_mode=mode) as mgr:
+        for step in range(1, 21):
+            mgr.save_async(step, _state(step))
+        mgr.join()
+        assert mgr.all_steps() == [10, 15, 20]
+        assert [mgr.step_info(s).tiers for s in (10, 15, 20)] == [
+            ("durable",), ("local",), ("durable", "local")]
+        info = mgr.step_info(20)
+        assert info.world_size == 1 and "_ckptmgr_upload" not in info.metadata
+    # The durable steps alone, read by a manager without a local tier.
+    with ckptmgr.CheckpointManager(durable, save_interval=10) as mgr:
+        assert mgr.all_steps() == [10, 20]
+        assert mgr.step_info(20).metadata == {}
+        for step in (10, 20):
+            out = _target()
+            mgr.restore(step, out)
+            assert _equal(out, _state(step)), step
+
+
+def test_staging_released_while_the_upload_is_held(faulty: str, tmp_path: Path) -> None:
+    gate = FaultyFS.gate = Gate()
+    node = tmp_path / "node"
+    with _mgr(faulty, node) as mgr:
+        try:
+            assert mgr.save_async(10, _state(10))
+            gate.wait_arrived()  # step 10's durable copy is in flight, held at its first file
+            # The next due save stages into the same buffers and commits locally meanwhile.
+            assert mgr.save_async(20, _state(20))
+            mgr._join_saves()  # the save queue's job (the local write) ended; no upload did
+            assert (node / "rank-0" / "20" / "commit.json").exists()
+            assert not FaultyFS().exists(f"{faulty}/10/commit.json")
+            assert mgr.all_steps() == [10, 20]
+            assert [mgr.step_info(s).tiers for s in (10, 20)] == [("local",), ("local",)]
+        finally:
+            gate.open()
+        mgr.join()
+        assert mgr.step_info(10).tiers == ("durable", "local")
+        assert mgr.step_info(20).tiers == ("durable", "local")
+        for step in (10, 20):
+            out = _target()
+            mgr.restore(step, out)
+            assert _equal(out, _state(step))
+
+
+def test_local_retention_keeps_a_step_owed_to_the_durable_tier(faulty: str,
+                                                               tmp_path: Path) -> None:
+    gate = FaultyFS.gate = Gate()
+    node = tmp_path / "node"
+    with _mgr(faulty, node, local_max_to_keep=1) as mgr:
+        try:
+            mgr.save_async(10, _state(10))
+            gate.wait_arrived()
+            mgr.save_async(15, _state(15))  # local only; retention keeps one step...
+            mgr._join_saves()
+            assert mgr.all_steps() == [15]  # ...listed, but step 10 stays on disk for its upload
+            assert (node / "rank-0" / "10" / "commit.json").exists()
+        finally:
+            gate.open()
+        mgr.join()
+        assert mgr.all_steps() == [10, 15]  # 10 from the durable tier now
+        mgr.save_async(25, _state(25))
+        mgr.join()
+        assert not (node / "rank-0" / "10").exists()  # owed no more: local retention took it
+
+
+def test_failed_upload_is_retried_and_keeps_the_local_step(
+        faulty: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = tmp_path / "node"
+    FaultyFS.fail_data = True
+    with _mgr(faulty, node) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.retry_s = 0.0
+        mgr.save_async(10, _state(10))
+        with pytest.raises(AsyncSaveError) as err:  # after every try failed
+            mgr.join()
+        assert err.value.step == 10
+        assert mgr.all_steps() == [10] and mgr.step_info(10).tiers == ("local",)
+        mgr.join()  # raised once
+        # A fault that clears after one failed try: the retry commits.
+        fails = iter([True])
+        real = FaultyFS._open
+
+        def once(self: FaultyFS, path: str, mode: str = "rb", **kw: Any) -> Any:
+            FaultyFS.fail_data = next(fails, False)
+            return real(self, path, mode, **kw)
+
+        monkeypatch.setattr(FaultyFS, "_open", once)
+        mgr.save_async(20, _state(20))
+        mgr.join()
+        assert mgr.step_info(20).tiers == ("durable", "local")
+        assert mgr.step_info(10).tiers == ("local",)  # kept; superseded by step 20
+    assert _durable_steps(faulty) == [20]
+
+
+def test_restart_uploads_the_missing_durable_step(faulty: str, tmp_path: Path) -> None:
+    node = tmp_path / "node"
+    FaultyFS.fail_data = True
+    with pytest.raises(AsyncSaveError), _mgr(faulty, node) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.retry_s = 0.0
+        mgr.save_async(5, _state(5))  # local only: never uploaded
+        mgr.save_async(10, _state(10))
+    FaultyFS.fail_data = False
+    assert _durable_steps(faulty) == []
+    with _mgr(faulty, node) as mgr:  # the constructor queues step 10's upload
+        assert mgr.all_steps() == [5, 10] and mgr.step_info(10).tiers == ("local",)
+        mgr.join()
+        assert mgr.step_info(10).tiers == ("durable", "local")
+        assert mgr.step_info(5).tiers == ("local",)
+    assert _durable_steps(faulty) == [10]
+    with ckptmgr.CheckpointManager(faulty, save_interval=10) as mgr:
+        out = _target()
+        mgr.restore(10, out)
+        assert _equal(out, _state(10))
+
+
+def test_a_damaged_local_file_is_never_uploaded(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptmgr import uploader
+
+    durable, node = str(tmp_path / "durable"), tmp_path / "node"
+    real = uploader.mapped_state
+
+    def damage_first(source: Any, step_dir: str) -> Any:
+        data = next(p for p in sorted(Path(step_dir).iterdir()) if p.name.startswith("data-"))
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF  # after the local commit, before the upload reads it
+        data.write_bytes(bytes(raw))
+        return real(source, step_dir)
+
+    monkeypatch.setattr(uploader, "mapped_state", damage_first)
+    with _mgr(durable, node) as mgr:
+        mgr.save_async(10, _state(10))
+        with pytest.raises(AsyncSaveError) as err:
+            mgr.join()
+        assert err.value.step == 10
+        assert isinstance(err.value.__cause__, CorruptCheckpointError)
+        assert "checksum" in str(err.value)
+        assert mgr.step_info(10).tiers == ("local",)
+    assert _durable_steps(durable) == []
+
+
+def test_close_waits_for_the_upload(faulty: str, tmp_path: Path) -> None:
+    gate = FaultyFS.gate = Gate()
+    mgr = _mgr(faulty, tmp_path / "node")
+    mgr.save_async(10, _state(10))
+    gate.wait_arrived()
+    closer = threading.Thread(target=mgr.close)
+    closer.start()
+    gate.open()
+    closer.join(60)
+    assert not closer.is_alive()
+    # Had close() not waited, the released lease would have fenced the upload's commit.
+    assert _durable_steps(faulty) == [10]
+
+
+# ----------------------------------------------------------------- two gloo ranks, S3, FSDP
+
+WIDTH = 16
+
+
+@pytest.fixture()
+def s3_url(moto_s3: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_s3.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", moto_s3.key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", moto_s3.secret)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    return f"s3://{BUCKET}/{uuid.uuid4().hex}"
+
+
+def _fsdp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 3))
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _full(model: torch.nn.Module, optim: torch.optim.Optimizer) -> str:
+    """Every parameter and optimizer tensor, whole (gathered), hashed."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().full_tensor().contiguous().numpy().tobytes())
+        for k, v in sorted(optim.state.get(p, {}).items()):
+            t = v.full_tensor() if hasattr(v, "full_tensor") else v
+            h.update(k.encode() + t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _app(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    from ckptmgr.dcp import ModelOptimizerState
+
+    return {"app": ModelOptimizerState(model, optim)}
+
+
+def _train_and_upload(rank: int, world: int, durable: str, nodes: str) -> dict[str, Any]:
+    model, optim = _fsdp(0)
+    digests = {}
+    with ckptmgr.CheckpointManager(durable, save_interval=10, local_interval=5,
+                                   local_path=f"{nodes}/node{rank}") as mgr:
+        for step in range(1, 21):
+            x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            if mgr.save_async(step, _app(model, optim)):
+                digests[step] = _full(model, optim)
+        mgr.join()
+        tiers = {s: mgr.step_info(s).tiers for s in mgr.all_steps()}
+    with ckptmgr.CheckpointManager(durable, save_interval=10) as mgr:  # the durable tier only
+        restored = {}
+        for step in mgr.all_steps():
+            model2, optim2 = _fsdp(1)
+            ckptmgr.prime_optimizer(optim2)
+            mgr.restore(step, _app(model2, optim2))
+            restored[step] = _full(model2, optim2)
+    return {"digests": digests, "tiers": tiers, "restored": restored}
+
+
+def _restore_alone(rank: int, world: int, durable: str) -> dict[int, str]:
+    out = {}
+    with ckptmgr.CheckpointManager(durable, save_interval=10) as mgr:
+        for step in mgr.all_steps():
+            model, optim = _fsdp(2)
+            ckptmgr.prime_optimizer(optim)
+            mgr.restore(step, _app(model, optim))
+            out[step] = _full(model, optim)
+    return out
+
+
+def test_two_ranks_fsdp_upload_to_s3_restores_at_any_world_size(s3_url: str,
+                                                                tmp_path: Path) -> None:
+    results = run_ranks(_train_and_upload, 2, s3_url, str(tmp_path), timeout_s=120)
+    for r in results:
+        assert r["tiers"] == {10: ("durable",), 15: ("local",), 20: ("durable", "local")}
+        assert r["restored"] == {s: r["digests"][s] for s in (10, 20)}
+    (alone,) = run_ranks(_restore_alone, 1, s3_url, timeout_s=120)  # another world size
+    assert alone == {s: results[0]["digests"][s] for s in (10, 20)}
+    assert os.path.isdir(tmp_path / "node1" / "rank-1" / "20")
