@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from _faulty import FaultyFS, Gate, install, reset
-from _procs import run_ranks, wait_for_file
+from _procs import run_ranks
 
 import ckptmgr
 from ckptmgr import AsyncSaveError
@@ -315,3 +315,38 @@ def test_two_ranks_fsdp_upload_to_s3_restores_at_any_world_size(s3_url: str,
     (alone,) = run_ranks(_restore_alone, 1, s3_url, timeout_s=120)  # another world size
     assert alone == {s: results[0]["digests"][s] for s in (10, 20)}
     assert os.path.isdir(tmp_path / "node1" / "rank-1" / "20")
+
+
+def _interrupted(rank: int, world: int, durable: str, nodes: str, replicas: int,
+                 wipe_rank: int | None) -> dict[str, Any]:
+    """Save step 10 locally while its upload never runs (the uploader closed: as if the job
+    died first); optionally wipe one rank's own step (a replaced node); restart."""
+    os.environ["GROUP_RANK"] = str(rank)  # one node per rank (replicas go to other nodes)
+    kw: dict[str, Any] = {"local_interval": 5, "local_replicas": replicas,
+                          "local_path": f"{nodes}/node{rank}"}
+    state = {"w": torch.full((32,), float(rank)), "extra": {"rank": rank}}
+    with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.close()  # nothing is uploaded from now on
+        mgr.save_async(10, state)
+    torch.distributed.barrier()
+    if rank == wipe_rank:
+        import shutil
+
+        shutil.rmtree(f"{nodes}/node{rank}/rank-{rank}/10")
+    torch.distributed.barrier()
+    with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
+        mgr.join()  # raises if the upload at construction failed
+        return {"all": mgr.all_steps(), "tiers": mgr.step_info(10).tiers}
+
+
+@pytest.mark.parametrize(("replicas", "wipe"), [(0, None), (1, 1)])
+def test_two_ranks_restart_uploads_only_what_every_rank_holds(
+        tmp_path: Path, replicas: int, wipe: int | None) -> None:
+    durable = str(tmp_path / "durable")
+    results = run_ranks(_interrupted, 2, durable, str(tmp_path), replicas, wipe, timeout_s=120)
+    # Kept whole: uploaded at the restart. A replaced node's part held only as a replica: not
+    # uploaded (an upload reads each rank's own copy), and no error either.
+    want = ("local",) if wipe is not None else ("durable", "local")
+    assert [r["tiers"] for r in results] == [want, want]
+    assert _durable_steps(durable) == ([] if wipe is not None else [10])
