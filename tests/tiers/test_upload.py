@@ -19,12 +19,12 @@ import pytest
 import torch
 from _faulty import FaultyFS, Gate, install, reset
 from _procs import run_ranks
+from test_multitier import WIDTH, s3_url  # noqa: F401 (a fixture, shared with that file)
+from test_multitier import _build as _fsdp
 
 import ckptmgr
 from ckptmgr import AsyncSaveError
 from ckptmgr.errors import CorruptCheckpointError
-
-BUCKET = "ckpt-tests"
 
 
 @pytest.fixture
@@ -226,34 +226,6 @@ def test_close_waits_for_the_upload(faulty: str, tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------- two gloo ranks, S3, FSDP
 
-WIDTH = 16
-
-
-@pytest.fixture()
-def s3_url(moto_s3: Any, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_s3.endpoint_url)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", moto_s3.key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", moto_s3.secret)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    return f"s3://{BUCKET}/{uuid.uuid4().hex}"
-
-
-def _fsdp(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Linear(WIDTH, 3))
-    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
-    for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    for m in model.modules():
-        if hasattr(m, "set_force_sum_reduction_for_comms"):
-            m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
-    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
 def _full(model: torch.nn.Module, optim: torch.optim.Optimizer) -> str:
     """Every parameter and optimizer tensor, whole (gathered), hashed."""
     h = hashlib.sha256()
@@ -306,7 +278,7 @@ def _restore_alone(rank: int, world: int, durable: str) -> dict[int, str]:
     return out
 
 
-def test_two_ranks_fsdp_upload_to_s3_restores_at_any_world_size(s3_url: str,
+def test_two_ranks_fsdp_upload_to_s3_restores_at_any_world_size(s3_url: str,  # noqa: F811
                                                                 tmp_path: Path) -> None:
     results = run_ranks(_train_and_upload, 2, s3_url, str(tmp_path), timeout_s=120)
     for r in results:
