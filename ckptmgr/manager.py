@@ -230,13 +230,14 @@ class CheckpointManager(SavePath):
     # ------------------------------------------------------------------------ collectives
 
     def close(self) -> None:
-        """Wait for the save in flight (re-raising its failure), save the newest step given to
-        save/save_async if it is newer than the newest committed one (``save_on_close``; not
-        while an exception propagates), then release ckptmgr's process groups, staging memory,
-        signal handlers and writer lease. Idempotent. Collective.
+        """Wait for the save in flight and the durable copies being made from local steps
+        (re-raising a failure), save the newest step given to save/save_async if it is newer
+        than the newest committed one (``save_on_close``; not while an exception propagates),
+        then release ckptmgr's process groups, staging memory, signal handlers and writer lease.
+        Idempotent. Collective.
 
         Raises:
-            AsyncSaveError: the save in flight failed.
+            AsyncSaveError: the save in flight, or a durable copy, failed.
             The errors of :meth:`save`, for the save on close.
         """
         failing = self._exit_failing
