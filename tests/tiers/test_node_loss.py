@@ -216,3 +216,29 @@ def test_upload_interrupted_by_node_loss(cluster: Cluster, tmp_path: Path) -> No
         spec["manager"]["save_interval"] = 4
         third = cluster.run(spec, tmp_path / "third")
         assert _restored(third) == (4, 1, "durable")
+
+
+def test_upload_interrupted_by_job_kill_resumes_after_restart(cluster: Cluster,
+                                                             tmp_path: Path) -> None:
+    run = uuid.uuid4().hex
+    fault = _hold_uploads(cluster, run, 4)
+    spec = _spec(run, saves=[0, 2, 4], version=1, async_save=True)
+    spec["manager"]["save_interval"] = 4
+    job = cluster.start(spec, tmp_path / "first")
+    try:
+        assert fault.arrived.wait(60), "the upload of step 4 never started"
+    finally:
+        job.close()  # every rank killed, every node (and disk) kept
+        assert fault.hold is not None
+        fault.hold.set()
+    spec = _spec(run, restore="latest", version=2)
+    spec["manager"]["save_interval"] = 4
+    second = cluster.run(spec, tmp_path / "second")
+    assert _restored(second) == (4, 1, "local")
+    # The owed upload ran again after the restart, from the local files: the durable tier holds
+    # step 4 once the job waited for it, whole and of the same save.
+    assert all(r["final"]["tiers"]["4"] == ["durable", "local"] for r in second.values()), second
+    spec = _spec(run, restore=4, version=3, local_sub=uuid.uuid4().hex)
+    spec["manager"]["save_interval"] = 4
+    third = cluster.run(spec, tmp_path / "third")
+    assert _restored(third) == (4, 1, "durable")
