@@ -38,11 +38,12 @@ Call order of one save (DESIGN.md section 5): (coordinator) :meth:`StepStore.beg
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -787,8 +788,7 @@ class StepStore:
 
         # Side by side: one unlink took ~2 ms here (a file system mounted with discard), one
         # after the other a retention of 1 GiB of chunks took longer than writing them.
-        with ThreadPoolExecutor(_REMOVERS, thread_name_prefix="ckptmgr-sweep") as pool:
-            done = list(pool.map(sweep_one, doomed))
+        done = _in_threads(sweep_one, doomed, _REMOVERS, name="ckptmgr-sweep")
         removed = [p for p, ok in zip(doomed, done, strict=True) if ok]
         if removed:
             log.info("removed %d unreferenced shared chunks from %s", len(removed), self.url)
@@ -841,6 +841,40 @@ class StepStore:
             log.info("removing leftover of a crashed save: %s/%s", self.url, name)
             self._remove(name, recursive=True)
         return True
+
+
+def _in_threads(fn: Callable[[str], bool], items: list[str], num: int, *,
+                name: str) -> list[bool]:
+    """``[fn(x) for x in items]`` on up to ``num`` threads (each in a copy of the caller's
+    context: its retry budget). Plain threads, not ``concurrent.futures``: this may run while
+    the interpreter exits. The first exception stops the rest and is raised."""
+    out = [False] * len(items)
+    todo = iter(range(len(items)))
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = None if failures else next(todo, None)
+            if i is None:
+                return
+            try:
+                out[i] = fn(items[i])
+            except BaseException as e:
+                with lock:
+                    failures.append(e)
+
+    threads = [threading.Thread(target=contextvars.copy_context().run, args=(work,),
+                                name=f"{name}-{k}", daemon=True)
+               for k in range(min(num, len(items)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
+    return out
 
 
 def deleted_while_read(store: StepStore, step: int,

@@ -35,16 +35,16 @@ much compute (docs/performance.md). The calling thread is never reniced.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import io
 import logging
 import os
+import queue
 import secrets
 import sys
 import threading
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future as Future_
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -159,6 +159,67 @@ def encode_object(fqn: str, obj: Any, *, trusted: bool, standalone: bool = False
     return data, enc
 
 
+class _ChunkWriters:
+    """Writes of new shared chunks on up to ``num`` threads of their own, beside the write
+    streams that hash and hand them over. Plain threads, not ``concurrent.futures``: a save that
+    runs while the interpreter exits (it waits for the save in flight) must still write them.
+
+    Call order: :meth:`submit` (any stream thread) ..., then :meth:`finish` (raises the first
+    failure), and always :meth:`stop` (waits for every thread; what is still queued is dropped).
+    """
+
+    def __init__(self, write: Callable[[str, memoryview, Any], None], num: int) -> None:
+        self._write = write
+        self._num = num
+        self._queue: queue.Queue[tuple[str, memoryview, Any] | None] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._failures: list[BaseException] = []
+        self._stopped = False
+
+    def submit(self, digest: str, mv: memoryview, owner: Any) -> None:
+        """Queue the write of chunk ``digest`` (``owner`` keeps ``mv`` alive until written)."""
+        with self._lock:
+            if len(self._threads) < self._num:
+                # A copy of the submitting stream's context each: the save's retry budget.
+                t = threading.Thread(target=contextvars.copy_context().run, args=(self._run,),
+                                     name=f"ckptmgr-chunk-{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+        self._queue.put((digest, mv, owner))
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if self._stopped or self._failures:
+                continue  # after a failure: drop the rest (finish raises the failure)
+            try:
+                self._write(*job)
+            except BaseException as e:
+                with self._lock:
+                    self._failures.append(e)
+            finally:
+                del job
+
+    def finish(self) -> None:
+        """Wait until every queued chunk is written; raise the first failure."""
+        self._join()
+        if self._failures:
+            raise self._failures[0]
+
+    def stop(self) -> None:
+        """Drop what is still queued and wait for the threads (a no-op after :meth:`finish`)."""
+        self._stopped = True
+        self._join()
+
+    def _join(self) -> None:
+        with self._lock:
+            threads, self._threads = self._threads, []
+        for _ in threads:
+            self._queue.put(None)
+        for t in threads:
+            t.join()
+
+
 def _item_size(item: WriteItem, encoded: Mapping[MetadataIndex, tuple[bytes, str]]) -> int:
     if item.type == WriteItemType.BYTE_IO:
         return len(encoded[item.index][0])
@@ -237,8 +298,7 @@ class CkptStorageWriter(StorageWriter):
         # the writes of new ones in flight on the chunk writers.
         self._shared: dict[str, tuple[FileEntry, bool]] = {}
         self._shared_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: list[Future_[None]] = []
+        self._chunks: _ChunkWriters | None = None
         if self._url is not None:
             self.storage = open_storage(self._url, self._options)
 
@@ -287,7 +347,7 @@ class CkptStorageWriter(StorageWriter):
         state = dict(self.__dict__)
         if self._standalone:
             state["storage"] = None
-        state["_shared"], state["_pool"], state["_pending"] = {}, None, []
+        state["_shared"], state["_chunks"] = {}, None
         state.pop("_shared_lock", None)  # a lock does not pickle; write_data makes a new one
         return state
 
@@ -395,17 +455,13 @@ class CkptStorageWriter(StorageWriter):
         self._shared = {}
         self._shared_lock = threading.Lock()
         if self.plan is not None and self.plan.reuse is not None:
-            with ThreadPoolExecutor(_CHUNK_WRITERS, thread_name_prefix="ckptmgr-chunk") as pool:
-                self._pool = pool
-                self._pending = []
-                try:
-                    results = self._write_items(plan, planner)
-                    for f in self._pending:  # every chunk durable before the commit
-                        f.result()
-                finally:
-                    for f in self._pending:  # nothing is written after a failure returns
-                        f.cancel()
-                    self._pool, self._pending = None, []
+            self._chunks = _ChunkWriters(self._write_chunk, _CHUNK_WRITERS)
+            try:
+                results = self._write_items(plan, planner)
+                self._chunks.finish()  # every new chunk durable before the commit
+            finally:
+                self._chunks.stop()  # nothing is written after a failure returns
+                self._chunks = None
             written = any(new for _, new in self._shared.values())
             if written and isinstance(self.storage, AtomicRename):
                 self.storage.fsync_dir(SHARED_DIR)  # the renamed chunks' names, then the commit
@@ -468,8 +524,8 @@ class CkptStorageWriter(StorageWriter):
         if new:
             # Written on the chunk writers (their fsyncs overlap): a file of its own per chunk,
             # made durable one after the other, took 4-8x as long as one data file here.
-            assert self._pool is not None, "write_data made the chunk writers"
-            self._pending.append(self._pool.submit(self._write_chunk, digest, mv, owner))
+            assert self._chunks is not None, "write_data made the chunk writers"
+            self._chunks.submit(digest, mv, owner)
         return path, entry.checksum
 
     def _write_chunk(self, digest: str, mv: memoryview, owner: Any) -> None:
