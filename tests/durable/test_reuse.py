@@ -280,6 +280,23 @@ def test_reuse_on_s3(s3_root: str) -> None:
     assert chunks == referenced
 
 
+def test_interpreter_exit_waits_for_a_reuse_commit(tmp_path: Any, zygote: Zygote) -> None:
+    """The save in flight at interpreter exit writes its chunks and commits (its chunk writers
+    are not concurrent.futures', which refuse work once the interpreter exits)."""
+    root = str(tmp_path / "run")
+    code = ("import sys, torch, ckptmgr\n"
+            "m = ckptmgr.CheckpointManager(sys.argv[1], save_interval=1, reuse_unchanged=True)\n"
+            "m.save_async(7, {'w': torch.arange(1 << 21, dtype=torch.float32)})\n")
+    out = zygote.run([root], code=code, timeout=180)
+    assert out.returncode == 0, out.stderr
+    with CheckpointManager(root, save_interval=1, read_only=True) as ro:
+        assert ro.all_steps() == [7]
+        target = {"w": torch.zeros(1 << 21)}
+        ro.restore(7, target)
+        assert torch.equal(target["w"], torch.arange(1 << 21, dtype=torch.float32))
+    assert _referenced(root) and _chunks(root) == _referenced(root)
+
+
 # ---------------------------------------------------------------------------- SIGKILL loop
 
 # A writer saves two steps with reuse and retention, then arms the file-system gate (tests/_procs:
