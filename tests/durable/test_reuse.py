@@ -19,7 +19,7 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _procs import FS_GATE, Zygote
+from _procs import FS_GATE, Zygote, run_ranks
 
 from ckptmgr import CheckpointManager
 from ckptmgr.codec.layout import SHARED_DIR
@@ -295,6 +295,55 @@ def test_interpreter_exit_waits_for_a_reuse_commit(tmp_path: Any, zygote: Zygote
         ro.restore(7, target)
         assert torch.equal(target["w"], torch.arange(1 << 21, dtype=torch.float32))
     assert _referenced(root) and _chunks(root) == _referenced(root)
+
+
+# ------------------------------------------------------------------ two ranks, DTensor shards
+
+
+def _global(v: int) -> dict[str, torch.Tensor]:
+    """The global tensors of version ``v``: zeros (both ranks' shards hold the same bytes, so
+    both write one chunk at once), a frozen base and a trained part."""
+    return {"zeros": torch.zeros(1024, 1024),
+            "base": torch.randn(2048, 1024, generator=torch.Generator().manual_seed(0)),
+            "trained": torch.randn(512, 256, generator=torch.Generator().manual_seed(v))}
+
+
+def _ranks_save(rank: int, world: int, root: str) -> list[int]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    written = []
+    with CheckpointManager(root, save_interval=1, reuse_unchanged=True, max_to_keep=2,
+                           save_on_close=False) as mgr:
+        for v in (1, 2, 3):
+            state = {k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in _global(v).items()}
+            mgr.save(v, {"model": state, "replicated": torch.full((64, 64), float(v))})
+            stats = mgr.last_save_stats
+            assert stats is not None
+            written.append(stats.bytes)
+        target = {k: distribute_tensor(torch.zeros_like(t), mesh, [Shard(0)])
+                  for k, t in _global(3).items()}
+        mgr.restore(2, {"model": target})
+        for k, t in _global(2).items():
+            assert torch.equal(target[k].full_tensor(), t), k
+    return written
+
+
+def test_two_ranks_share_shards_and_restore_at_another_world_size(tmp_path: Any) -> None:
+    root = str(tmp_path / "run")
+    written = run_ranks(_ranks_save, 2, root, timeout_s=180)
+    assert all(w[1] <= 320 << 10 and w[2] <= 320 << 10 for w in written), written  # trained
+    with CheckpointManager(root, save_interval=1, read_only=True) as ro:  # world size 1
+        assert ro.all_steps() == [2, 3]
+        for step in (2, 3):
+            target = {"model": {k: torch.zeros_like(t) for k, t in _global(step).items()},
+                      "replicated": torch.zeros(64, 64)}
+            ro.restore(step, target)
+            _assert_equal(target["model"], _global(step), f"step {step}")
+            assert torch.equal(target["replicated"], torch.full((64, 64), float(step)))
+    assert _chunks(root) - _referenced(root) <= {
+        p for p in _chunks(root) if ".tmp-" in p}  # a rank that lost the race left its temporary
 
 
 # ---------------------------------------------------------------------------- SIGKILL loop
