@@ -161,6 +161,8 @@ class SavePath:
                 the original error is ``__cause__``.
         """
         self._join_saves()
+        if self._local is not None:  # and for the peer replica transfer the save started
+            self._local.wait_replicas()
         if self._uploads is not None:
             self._uploads.drain(self._caller)
             self._raise_upload_failure()
@@ -176,11 +178,10 @@ class SavePath:
 
     def _join_saves(self) -> None:
         """Wait for the save queue's job (the local write, or the whole save without a local
-        tier) and its replica transfer, not for durable copies in flight; re-raise its failure
-        once."""
+        tier), not for the peer replica transfer it started (the next local save waits for that
+        on its own thread, so ``save_async`` does not block on it) nor for durable copies in
+        flight; re-raise its failure once."""
         err = self._queue.wait()
-        if self._local is not None:  # and for the peer replica transfer it started
-            self._local.wait_replicas()
         inflight, self._inflight_step = self._inflight_step, None
         if err is not None:
             # An error without a step of its own (a LeaseError of the fence) names the step in

@@ -311,8 +311,16 @@ class CheckpointManager(SavePath):
         allow_partial = check_flag("allow_partial", allow_partial)
         trusted = check_flag("trusted", trusted)
         check_state_dict(state_dict)  # before any I/O: a list or None has no keys to load into
-        self.join()
         comm = self._caller
+        # The save in flight and its replica transfer end first (a rank healing its part reads
+        # from the holders). Durable copies being made from local steps do not hold up a local
+        # read, nor does their failure fail it (join and the next due save raise that): only a
+        # read of the durable tier waits for them, below.
+        self._join_saves()
+        if self._local is not None:
+            self._local.wait_replicas()
+        if self._uploads is not None:
+            self._uploads.adopt(comm)  # the copies finished on every rank: one view everywhere
         comm.arrivals.begin("restore", step, "restore")
         if self.config.read_only and step not in self.all_steps():
             # A reader's view is from when it opened: the writer beside it may have committed
@@ -328,6 +336,8 @@ class CheckpointManager(SavePath):
         if nbytes is None:
             if not durable and self._local is not None:  # the local tier alone holds it
                 raise self._local.unreadable(step, self.all_steps())
+            if self._uploads is not None:  # no copy of ours writes into the root while it is read
+                self._uploads.drain(comm)
             nbytes = self._durable.restore(step, state_dict, comm, allow_partial=allow_partial,
                                            trusted=trusted)
         where = self._local.root if read_local and self._local is not None else self.path

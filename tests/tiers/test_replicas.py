@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -305,3 +306,44 @@ def test_a_holder_whose_copy_went_bad_is_followed_by_the_next(tmp_path: Path) ->
     _lose(nodes, 1)
     res = run_ranks(_resume_after_first_holder_lost_its_copy, 3, nodes, root, timeout_s=120)
     assert all(r["latest"] == 7 and r["exact"] for r in res), res
+
+
+def _save_async_beside_a_held_transfer(rank: int, world: int, nodes: str, node_of: list[int],
+                                       root: str) -> dict[str, Any]:
+    """Hold step 1's replica transfer mid-way (an event of this process); ``save_async(2)``
+    must return while it is held: the next local save waits for it on the save's own thread."""
+    from ckptmgr import replicas
+
+    release = threading.Event()
+    real = replicas.Sender.messages
+
+    def messages(self: Any) -> Any:
+        for i, message in enumerate(real(self)):
+            if self.step == 1 and i == 2:
+                release.wait(120)
+            yield message
+
+    replicas.Sender.messages = messages  # type: ignore[method-assign]
+    mgr = _manager(rank, nodes, node_of, root, 1)
+    assert mgr.save(1, _state(rank, 1))  # returns after the local commit; transfer held
+    # A watchdog releases it if save_async waited for the transfer (then the test fails).
+    watchdog = threading.Timer(30.0, release.set)
+    watchdog.start()
+    assert mgr.save_async(2, _state(rank, 2))
+    returned_while_held = not release.is_set()
+    release.set()
+    watchdog.cancel()
+    mgr.join()
+    out = {"returned_while_held": returned_while_held, "all": mgr.all_steps(),
+           "held": _held(nodes, node_of[rank], rank)}
+    mgr.close()
+    return out
+
+
+def test_save_async_does_not_wait_for_the_previous_transfer(tmp_path: Path) -> None:
+    nodes, root = str(tmp_path / "nodes"), str(tmp_path / "root")
+    res = run_ranks(_save_async_beside_a_held_transfer, 2, nodes, [0, 1], root, timeout_s=120)
+    for r, out in enumerate(res):
+        assert out["returned_while_held"], out
+        assert out["all"] == [1, 2]
+        assert out["held"] == {"own": [1, 2], f"rank-{1 - r}": [1, 2]}

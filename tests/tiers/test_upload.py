@@ -184,6 +184,47 @@ def test_restart_uploads_the_missing_durable_step(faulty: str, tmp_path: Path) -
         assert _equal(out, _state(10))
 
 
+def test_a_restart_restores_the_local_step_while_its_upload_is_owed(faulty: str,
+                                                                     tmp_path: Path) -> None:
+    node = tmp_path / "node"
+    FaultyFS.fail_data = True
+    with pytest.raises(AsyncSaveError), _mgr(faulty, node) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.retry_s = 0.0
+        mgr.save_async(10, _state(10))
+    FaultyFS.fail_data = False
+    gate = FaultyFS.gate = Gate()
+    try:
+        with _mgr(faulty, node) as mgr:  # the constructor queues step 10's upload
+            gate.wait_arrived()  # held at its first durable file
+            out = _target()
+            mgr.restore(10, out)  # read from the local tier, not held up by the upload
+            assert _equal(out, _state(10))
+            assert mgr.step_info(10).tiers == ("local",)
+            gate.open()
+            mgr.join()
+            assert mgr.step_info(10).tiers == ("durable", "local")
+    finally:
+        gate.open()
+    # An owed copy that fails every try does not fail the restore of the local step either:
+    # the failure is raised by join (and the next due save), once.
+    FaultyFS.fail_data = True
+    with pytest.raises(AsyncSaveError), _mgr(faulty, node) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.retry_s = 0.0
+        mgr.save_async(20, _state(20))
+    with _mgr(faulty, node) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.retry_s = 0.0
+        out = _target()
+        mgr.restore(20, out)
+        assert _equal(out, _state(20))
+        with pytest.raises(AsyncSaveError) as err:
+            mgr.join()
+        assert err.value.step == 20
+    FaultyFS.fail_data = False
+
+
 def test_a_damaged_local_file_is_never_uploaded(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptmgr import uploader
