@@ -794,17 +794,28 @@ class LocalTier:
             self.lease.release()
             self.lease = None
 
-    def upload_source(self, step: int) -> tuple[Any, str]:
+    def upload_source(self, step: int, *, agreed: bool = False) -> tuple[Any, str]:
         """(ckptmgr.uploader) This rank's own committed ``step`` as its durable copy is made
         from it: the manifest and metadata (read, checked, and this rank's of this world size),
         with the listed file sizes, and the directory of its files. Reads no data.
 
+        Args:
+            step: the step.
+            agreed: also require a verified copy of the save every rank agreed on for whole
+                ``step`` (a node back with a stale directory holds its own copy of another save
+                of it; a damaged copy is healed by a restore, not uploaded).
+
         Raises:
-            CheckpointNotFoundError, CorruptCheckpointError: absent, or not this rank's part.
+            CheckpointNotFoundError, CorruptCheckpointError: absent, or not this rank's part
+                (or, with ``agreed``, another save).
         """
         assert self.store is not None
         source = read_restore_source(self.store, step, verify=True)
-        self._check_owner(source.manifest)
+        save = self._check_owner(source.manifest).get("save")
+        if agreed and step not in self._own_agreed():
+            raise CorruptCheckpointError(
+                f"this rank's own copy of local step {step} ({save}) is damaged or another save "
+                f"than the one every rank agreed on ({self._agreed_saves.get(step)})", step=step)
         return source, os.path.join(self.root, step_dir_name(step))
 
 

@@ -417,7 +417,8 @@ class Uploader:
         """(collective over ``caller``, constructor) Queue the whole local steps due on the
         durable tier that it lacks and that are newer than its newest step (an upload a
         restart interrupted, or a preemption's durable save the grace period did not allow),
-        where every rank holds its own copy (an upload reads no replica). Returns them."""
+        where every rank holds its own copy of the agreed save (an upload reads no replica,
+        nor a stale node's copy of another save). Returns them."""
         view = self._main.view  # agreed
         newest = max(view.records, default=-1)
         mine = []
@@ -425,7 +426,7 @@ class Uploader:
             if s <= newest or view.holds(s):
                 continue
             try:
-                source, _ = self._local.upload_source(s)
+                source, _ = self._local.upload_source(s, agreed=True)
             except Exception as e:  # not this rank's own copy: the ranks agree below
                 log.info("local step %d is not uploaded from this rank: %s", s, e)
                 continue

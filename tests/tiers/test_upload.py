@@ -363,3 +363,87 @@ def test_two_ranks_restart_uploads_only_what_every_rank_holds(
     want = ("local",) if wipe is not None else ("durable", "local")
     assert [r["tiers"] for r in results] == [want, want]
     assert _durable_steps(durable) == ([] if wipe is not None else [10])
+
+
+def _stale_owed(rank: int, world: int, durable: str, nodes: str, phase: str) -> dict[str, Any]:
+    """One phase of a job of two nodes (one rank each, ``local_replicas=1``) saving step 10
+    locally while its upload never runs; ``resume``: a restart that only joins."""
+    os.environ["GROUP_RANK"] = str(rank)
+    kw: dict[str, Any] = {"local_interval": 5, "local_replicas": 1,
+                          "local_path": f"{nodes}/node{rank}"}
+    with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
+        if phase == "resume":
+            failed = None
+            try:
+                mgr.join()
+            except AsyncSaveError as e:
+                failed = str(e)
+            target = {"w": torch.zeros(32), "extra": {"rank": -1, "tag": ""}}
+            step = mgr.restore_latest(target)
+            mgr.join()
+            return {"failed": failed, "restored": step, "tag": target["extra"].get("tag"),
+                    "durable": step in mgr._durable.view.records}
+        assert mgr._uploads is not None
+        mgr._uploads.close()  # nothing is uploaded from now on (as if the job died first)
+        mgr.save_async(10, {"w": torch.full((32,), float(rank)),
+                            "extra": {"rank": rank, "tag": phase}})
+    return {}
+
+
+def test_a_stale_nodes_own_copy_of_another_save_is_not_uploaded(tmp_path: Path) -> None:
+    # Node 1 comes back with its own copy of an older save of step 10 (run "a"); the whole save
+    # is run "b"'s (node 0's own copy, and node 0's replica of node 1's part). The restart owes
+    # step 10 to the durable tier: it must not fail (or upload) by reading the stale copy.
+    import shutil
+
+    durable, nodes = str(tmp_path / "durable"), tmp_path / "nodes"
+    run_ranks(_stale_owed, 2, durable, str(nodes), "a", timeout_s=120)
+    shutil.copytree(nodes / "node1", tmp_path / "stale")
+    shutil.rmtree(nodes)
+    shutil.rmtree(durable, ignore_errors=True)
+    run_ranks(_stale_owed, 2, durable, str(nodes), "b", timeout_s=120)
+    shutil.rmtree(nodes / "node1")
+    shutil.copytree(tmp_path / "stale", nodes / "node1")
+    res = run_ranks(_stale_owed, 2, durable, str(nodes), "resume", timeout_s=120)
+    for r in res:
+        assert r["failed"] is None, r
+        assert r["restored"] == 10 and r["tag"] == "b", r
+    # Not uploaded at the restart (node 1's own copy is another save): no durable step 10.
+    assert _durable_steps(durable) == []
+
+
+def _damaged_owed(rank: int, world: int, durable: str, nodes: str) -> dict[str, Any]:
+    os.environ["GROUP_RANK"] = str(rank)
+    kw: dict[str, Any] = {"local_interval": 5, "local_replicas": 1,
+                          "local_path": f"{nodes}/node{rank}"}
+    state = {"w": torch.full((32,), float(rank)), "extra": {"rank": rank}}
+    with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.close()  # nothing is uploaded from now on (as if the job died first)
+        mgr.save_async(10, state)
+    torch.distributed.barrier()
+    if rank == 1:  # a flipped byte in rank 1's own copy; its replica on node 0 is whole
+        step_dir = Path(nodes, "node1", "rank-1", "10")
+        data = next(p for p in step_dir.iterdir() if p.name.startswith("data-"))
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x40
+        data.write_bytes(bytes(raw))
+    torch.distributed.barrier()
+    with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
+        failed = None
+        try:
+            mgr.join()
+        except AsyncSaveError as e:
+            failed = str(e)
+        target = {"w": torch.zeros(32), "extra": {"rank": -1}}
+        step = mgr.restore_latest(target)
+        return {"failed": failed, "restored": step, "exact": torch.equal(target["w"], state["w"])}
+
+
+def test_a_damaged_own_copy_is_not_uploaded_at_restart(tmp_path: Path) -> None:
+    # The restart owes step 10; rank 1's own copy is damaged: no failed upload is raised, and
+    # the restore heals rank 1's part from its replica.
+    durable = str(tmp_path / "durable")
+    res = run_ranks(_damaged_owed, 2, durable, str(tmp_path / "nodes"), timeout_s=120)
+    assert all(r["failed"] is None and r["restored"] == 10 and r["exact"] for r in res), res
+    assert _durable_steps(durable) == []
