@@ -257,7 +257,10 @@ class Replicator:
         self.wait()
         if self.broken:
             return
-        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=True)
+        # Not a daemon: an interpreter that exits without close() waits for the transfer (its
+        # peers run theirs too), as for saves; a daemon thread killed inside a gloo call aborted
+        # the process (exit status 134) and left the step without its replicas.
+        self._thread = threading.Thread(target=self._run, args=(fn,), name=name, daemon=False)
         self._thread.start()
 
     def _run(self, fn: Callable[[], None]) -> None:

@@ -347,3 +347,28 @@ def test_save_async_does_not_wait_for_the_previous_transfer(tmp_path: Path) -> N
         assert out["returned_while_held"], out
         assert out["all"] == [1, 2]
         assert out["held"] == {"own": [1, 2], f"rank-{1 - r}": [1, 2]}
+
+
+_EXIT_WITHOUT_CLOSE = """
+import os, sys, torch, torch.distributed as dist, ckptmgr
+rank, base = int(sys.argv[1]), sys.argv[2]
+os.environ["GROUP_RANK"] = str(rank)
+dist.init_process_group("gloo", init_method=f"file://{base}/store", rank=rank, world_size=2)
+mgr = ckptmgr.CheckpointManager(f"{base}/root", save_interval=1000, local_path=f"{base}/node{rank}",
+                                local_interval=1, local_replicas=1)
+for s in (1, 2):
+    mgr.save(s, {"w": torch.randn(1 << 20) + rank, "s": s})
+print("saved", flush=True)
+"""
+
+
+def test_interpreter_exit_without_close_waits_for_the_transfer(tmp_path: Path,
+                                                               zygote: Any) -> None:
+    # A training script that ends without close(): the process exits cleanly (a daemon transfer
+    # thread killed inside a gloo call aborted it, status 134) with step 2's replicas committed.
+    runs = [zygote.spawn([str(r), str(tmp_path)], code=_EXIT_WITHOUT_CLOSE) for r in (0, 1)]
+    outs = [run.communicate(120) for run in runs]
+    for run, (out, err) in zip(runs, outs, strict=True):
+        assert run.returncode == 0 and "saved" in out, err
+    for r in (0, 1):
+        assert _held(str(tmp_path), r, r) == {"own": [1, 2], f"rank-{1 - r}": [1, 2]}
