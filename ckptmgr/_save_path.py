@@ -362,10 +362,11 @@ class SavePath:
         thread for ``save_async`` (the worker's); ``wire``: the durable part runs in the writer.
         """
         plan, req = ready.plan, ready.request
-        # A local step due on the durable tier says so (with what its durable copy needs): a
-        # restart uploads it if the root lacks it (ckptmgr.uploader).
+        # A local step due on the durable tier says so (with what its durable copy needs, and
+        # which root): a restart uploads it if that root lacks it (ckptmgr.uploader).
         metadata = {**req.metadata, UPLOAD_KEY: {"mesh": ready.prepared.mesh,
-                                                 "trusted": req.trusted}
+                                                 "trusted": req.trusted,
+                                                 "root": self._durable.url}
                     } if ready.durable_due else req.metadata
         local_err = self._local.save(
             req.step, flat, comm, metrics=req.metrics, metadata=metadata,

@@ -447,3 +447,20 @@ def test_a_damaged_own_copy_is_not_uploaded_at_restart(tmp_path: Path) -> None:
     res = run_ranks(_damaged_owed, 2, durable, str(tmp_path / "nodes"), timeout_s=120)
     assert all(r["failed"] is None and r["restored"] == 10 and r["exact"] for r in res), res
     assert _durable_steps(durable) == []
+
+
+def test_a_new_root_given_the_same_local_path_gets_no_upload_of_another_run(
+        tmp_path: Path) -> None:
+    # Run A's step 10 is owed to root A (its upload never ran). A new run with root B and the
+    # same local_path must not write run A's checkpoint into root B.
+    node = tmp_path / "node"
+    with _mgr(str(tmp_path / "a"), node) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.close()  # nothing is uploaded from now on (as if the job died first)
+        assert mgr.save_async(10, _state(10))
+    with _mgr(str(tmp_path / "b"), node) as mgr:
+        mgr.join()
+    assert _durable_steps(str(tmp_path / "b")) == []
+    with _mgr(str(tmp_path / "a"), node) as mgr:  # run A's restart still uploads it
+        mgr.join()
+    assert _durable_steps(str(tmp_path / "a")) == [10]
