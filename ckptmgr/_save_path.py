@@ -282,10 +282,12 @@ class SavePath:
             metadata=req.metadata, mesh=prepared.mesh, on_exists=on_exists)) if (
                 durable and not upload) else None
         view = self._durable.view  # agreed: the uploads it lacks were adopted alike everywhere
-        if upload and (req.step in view.foreign or (req.step in view.records
-                                                    and not self._durable.overwrite)):
-            log.warning("step %d is already in %s: not saved again", req.step, self._durable.url)
-            return False  # as begin() skips a due save of a step the root holds
+        # The copy from the local tier is planned later, but the save is admitted (the lease,
+        # what the root holds at that step) now, as a direct one is: a writer that lost its
+        # lease raises LeaseError here, and a step the root holds is not saved to either tier.
+        if upload and not comm.on_coordinator(lambda: self._durable.admits(
+                req.step, forced=req.forced)):
+            return False
         if local and not upload and plan is None and (durable or view.holds(req.step)):
             # The durable tier holds this step and keeps it: a new local copy would make two
             # versions of one step (which one a restore gets would depend on local retention).

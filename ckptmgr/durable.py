@@ -248,6 +248,23 @@ class DurableTier:
             raise SaveError(f"save of step {step} to {self.url} failed: {e}", step=step,
                             failures={0: e}) from e
 
+    def admits(self, step: int, *, forced: bool) -> bool:
+        """(coordinator) Whether a save of ``step`` would be planned now (fenced; changes
+        nothing): a save whose durable part is made later from the local tier is refused, or
+        skipped, when it is called, as :meth:`begin` would refuse or skip it.
+
+        Raises:
+            SaveError, LeaseError, CheckpointExistsError: as :meth:`begin`.
+        """
+        try:
+            with retry_budget():
+                self.check_lease()
+                return self.store.admits_save(step, forced=forced,
+                                              overwrite=self.overwrite) is not None
+        except StorageError as e:
+            raise SaveError(f"save of step {step} to {self.url} failed: {e}", step=step,
+                            failures={0: e}) from e
+
     def save(self, flat: dict[str, Any], plan: CommitPlan, comm: Comm, *, spmd: bool,
              trusted: bool) -> DurableOutcome:
         """(collective over ``comm``) Write and commit ``plan``'s step, apply retention on the

@@ -140,16 +140,10 @@ class CheckpointManager(SavePath):
             self._local = LocalTier.open(  # its replica transfers: a group of their own
                 cfg, self._caller, lambda: Comm(make_group(process_group, timeout), timeout)
             ) if cfg.local.path else None
-            if self._local is not None and not cfg.read_only:
-                # Durable copies of local steps, made in the background on a group of their own
-                # (also with async_mode="process": the writer process reads the staged state it
-                # is handed by reference, while an upload reads the local files, which this
-                # process maps; its work is hashing and I/O, which release the GIL).
-                self._uploads = Uploader(
-                    self._durable, self._local,
-                    Comm(group and make_group(process_group, timeout), timeout),
-                    on_commit=self._uploaded)
-                self._uploads.owed_at_start(self._caller)
+            # Durable copies made from the local files in the background (ckptmgr.uploader,
+            # issue 29 item 2) are not enabled: the adversary's stateful model found hangs and
+            # lost or extra steps with them (docs/multitier.md). A step due on both tiers is
+            # written to the durable tier from the staged copy, after the local write.
             if self._writer is not None:  # started now: it is ready by the first save
                 self._writer.ensure(self._caller, self._durable.lease)
             self._preempt = PreemptionWatcher(
@@ -312,15 +306,16 @@ class CheckpointManager(SavePath):
         trusted = check_flag("trusted", trusted)
         check_state_dict(state_dict)  # before any I/O: a list or None has no keys to load into
         comm = self._caller
-        # The save in flight and its replica transfer end first (a rank healing its part reads
-        # from the holders). Durable copies being made from local steps do not hold up a local
-        # read, nor does their failure fail it (join and the next due save raise that): only a
-        # read of the durable tier waits for them, below.
+        # Every background job ends first: the save in flight, its replica transfer (a rank
+        # healing its part reads from the holders) and the durable copies being made from local
+        # steps (their retention changes the root: the view read below is the one after them).
+        # A failed durable copy does not fail the restore (the local step is read; join() and
+        # the next due save raise it).
         self._join_saves()
         if self._local is not None:
             self._local.wait_replicas()
         if self._uploads is not None:
-            self._uploads.adopt(comm)  # the copies finished on every rank: one view everywhere
+            self._uploads.drain(comm)
         comm.arrivals.begin("restore", step, "restore")
         if self.config.read_only and step not in self.all_steps():
             # A reader's view is from when it opened: the writer beside it may have committed
@@ -336,8 +331,6 @@ class CheckpointManager(SavePath):
         if nbytes is None:
             if not durable and self._local is not None:  # the local tier alone holds it
                 raise self._local.unreadable(step, self.all_steps())
-            if self._uploads is not None:  # no copy of ours writes into the root while it is read
-                self._uploads.drain(comm)
             nbytes = self._durable.restore(step, state_dict, comm, allow_partial=allow_partial,
                                            trusted=trusted)
         where = self._local.root if read_local and self._local is not None else self.path

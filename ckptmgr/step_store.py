@@ -559,29 +559,11 @@ class StepStore:
         Returns:
             The plan, or None when the save is skipped.
         """
-        sdir = step_dir_name(step)
-        if self.storage.is_symlink(sdir):
-            self._refuse(step, forced and on_exists == "raise",
-                         f"step directory {sdir} in {self.url} is a symbolic link")
+        admitted = self.admits_save(step, forced=forced, overwrite=overwrite,
+                                    on_exists=on_exists)
+        if admitted is None:
             return None
-        files, others = self._entries(sdir)
-        committed = MANIFEST_NAME in files
-        foreign = sorted([*(n for n in files if not is_our_file_name(n)), *others])
-        if foreign:
-            what = ("a plain-DCP checkpoint (.metadata)" if DCP_METADATA_NAME in foreign
-                    else f"files ckptmgr did not write ({', '.join(foreign[:5])})")
-            self._refuse(
-                step, forced and on_exists == "raise",
-                f"step {step} in {self.url} holds {what}; ckptmgr never writes into or deletes "
-                "what it did not write: move those files away, or save under another root or "
-                "step")
-            return None
-        if committed and not overwrite:
-            self._refuse(
-                step, forced and on_exists == "raise",
-                f"step {step} is already committed in {self.url}; pass overwrite=True to "
-                "replace it, or save another step")
-            return None
+        sdir, files, committed = admitted
         attempt = attempt or new_attempt_id()
         staged = isinstance(self.storage, AtomicRename) and not committed
         if staged:
@@ -627,6 +609,41 @@ class StepStore:
         self.storage.makedirs(dirname)
         return CommitPlan(step=step, attempt=attempt, write_dir=dirname, step_dir=dirname,
                           staged=False, overwrite=MANIFEST_NAME in files, world_size=world_size)
+
+    def admits_save(self, step: int, *, forced: bool, overwrite: bool, on_exists: str = "raise"
+                    ) -> tuple[str, dict[str, int], bool] | None:
+        """(coordinator) :meth:`begin_save`'s decision alone, changing nothing: None when the
+        save of ``step`` is skipped (one warning), else its directory, the files there and
+        whether it is committed. A save whose durable part is planned later (a copy made from
+        the local tier) is admitted or refused by this when it is called, as a direct one is.
+
+        Raises:
+            CheckpointExistsError: as :meth:`begin_save`, for a forced save.
+        """
+        sdir = step_dir_name(step)
+        if self.storage.is_symlink(sdir):
+            self._refuse(step, forced and on_exists == "raise",
+                         f"step directory {sdir} in {self.url} is a symbolic link")
+            return None
+        files, others = self._entries(sdir)
+        committed = MANIFEST_NAME in files
+        foreign = sorted([*(n for n in files if not is_our_file_name(n)), *others])
+        if foreign:
+            what = ("a plain-DCP checkpoint (.metadata)" if DCP_METADATA_NAME in foreign
+                    else f"files ckptmgr did not write ({', '.join(foreign[:5])})")
+            self._refuse(
+                step, forced and on_exists == "raise",
+                f"step {step} in {self.url} holds {what}; ckptmgr never writes into or deletes "
+                "what it did not write: move those files away, or save under another root or "
+                "step")
+            return None
+        if committed and not overwrite:
+            self._refuse(
+                step, forced and on_exists == "raise",
+                f"step {step} is already committed in {self.url}; pass overwrite=True to "
+                "replace it, or save another step")
+            return None
+        return sdir, files, committed
 
     def _refuse(self, step: int, raise_it: bool, message: str) -> None:
         if raise_it:
