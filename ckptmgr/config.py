@@ -363,8 +363,8 @@ class ManagerConfig(_Section):
         "save_async when it is newer than the newest committed step (never after an exception, "
         "never a state changed since that call)")
     reuse_unchanged: Annotated[bool, Strict(), Setting("a bool", 29)] = Field(
-        default=False, description="durable tier: a tensor chunk equal (by content hash) to one "
-        "of the newest committed step is referenced instead of written again")
+        default=False, description="durable tier: a tensor chunk equal (by 128-bit content hash) "
+        "to one already stored in the root is referenced instead of written again")
     collective_timeout_s: Annotated[
         _Seconds | None, Setting("None or a finite number of seconds > 0", 22)] = Field(
         default=None, description="no collective of ckptmgr waits longer; None: the "
