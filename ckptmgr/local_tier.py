@@ -310,6 +310,11 @@ class LocalTier:
             names = os.listdir(base)
         except FileNotFoundError:
             return sorted(self._rep_stores)
+        except OSError as e:  # a file there, no permission: this rank lists what it knows
+            # Raising here would leave the other ranks waiting in the agreement that follows.
+            log.warning("local tier %s: cannot list %s (%s): only the replicas this process "
+                        "wrote are counted; remove or fix it", self.root, base, e)
+            return sorted(self._rep_stores)
         found = {int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit()
                  and not os.path.islink(os.path.join(base, n))
                  and os.path.isdir(os.path.join(base, n))}

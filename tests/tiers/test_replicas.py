@@ -372,3 +372,25 @@ def test_interpreter_exit_without_close_waits_for_the_transfer(tmp_path: Path,
         assert run.returncode == 0 and "saved" in out, err
     for r in (0, 1):
         assert _held(str(tmp_path), r, r) == {"own": [1, 2], f"rank-{1 - r}": [1, 2]}
+
+
+def _train_beside_a_file_named_replicas(rank: int, world: int, nodes: str, node_of: list[int],
+                                        root: str) -> dict[str, Any]:
+    logs = _Logs()
+    logging.getLogger("ckptmgr").addHandler(logs)
+    if rank == 0:  # where rank 0's replicas go, a file: listing it fails with an OSError
+        base = Path(_node_dir(nodes, node_of[rank]), "rank-0")
+        base.mkdir(parents=True)
+        (base / "replicas").write_text("not a directory")
+    mgr = _manager(rank, nodes, node_of, root, 1)
+    saved = mgr.save(1, _state(rank, 1))
+    out = {"saved": saved, "all": mgr.all_steps(), "warnings": logs.lines}
+    mgr.close()
+    return out
+
+
+def test_an_unlistable_replicas_entry_warns_and_never_hangs_the_peers(tmp_path: Path) -> None:
+    nodes, root = str(tmp_path / "nodes"), str(tmp_path / "root")
+    res = run_ranks(_train_beside_a_file_named_replicas, 2, nodes, [0, 1], root, timeout_s=120)
+    assert all(r["saved"] and r["all"] == [1] for r in res), res
+    assert any("cannot list" in w for w in res[0]["warnings"]), res[0]["warnings"]
