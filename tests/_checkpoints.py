@@ -136,6 +136,18 @@ def save_reuse_root(root: str) -> None:
             mgr.save(step, reuse_state(step))
 
 
+def base_chunks(root: str) -> list[str]:
+    """The shared chunks every reuse step of a :func:`save_reuse_root` root references (the
+    frozen base's two row blocks), sorted."""
+    from ckptmgr.step_store import StepStore
+
+    store = StepStore(open_storage(root, writable=False))
+    common = set.intersection(*({f.path for f in store.read_manifest(s).shared}
+                                for s in REUSE_STEPS[1:]))
+    assert len(common) == 2, common
+    return sorted(common)
+
+
 def assert_reuse_restores(root: str, step: int) -> None:
     """Step ``step`` of ``root`` (a :func:`save_reuse_root` step, or a copy of one) restores
     bit-exact, read by a reader with checksums verified."""

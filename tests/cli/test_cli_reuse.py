@@ -14,16 +14,16 @@ import torch
 from _checkpoints import (
     REUSE_STEPS,
     assert_reuse_restores,
+    base_chunks,
     flip_byte,
     model_state,
     reuse_state,
     save_reuse_root,
 )
+from test_cli import run
 
 from ckptmgr import CheckpointManager, cli
 from ckptmgr.codec.layout import SHARED_DIR
-from ckptmgr.step_store import StepStore
-from ckptmgr.storage import open_storage
 
 
 @pytest.fixture(scope="module")
@@ -38,24 +38,6 @@ def ckpt(template: str, tmp_path: Path) -> str:
     root = str(tmp_path / "run")
     shutil.copytree(template, root)
     return root
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    """``ckptmgr ARGV`` in-process: (exit status, stdout, stderr)."""
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as e:  # argparse usage errors
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def base_chunk(root: str) -> str:
-    """A chunk of the frozen base: every reuse step references it."""
-    store = StepStore(open_storage(root, writable=False))
-    common = set.intersection(*({f.path for f in store.read_manifest(s).shared}
-                                for s in REUSE_STEPS[1:]))
-    return sorted(common)[0]
 
 
 def test_ls_shows_shared_bytes(template: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -116,7 +98,7 @@ def test_verify_intact_and_damaged_shared_chunks(ckpt: str,
     assert code == 0
     assert "step 30: ok (2 files, " in out and "3 shared chunks, 6.0 MiB, 2 of them checked " \
                                                "above)" in out
-    chunk = base_chunk(ckpt)
+    chunk = base_chunks(ckpt)[0]
     flip_byte(os.path.join(ckpt, chunk), 123)
     code, out, err = run(capsys, "verify", ckpt, "--all")
     assert code == cli.EXIT_CORRUPT
@@ -162,7 +144,7 @@ def test_cp_json_counts_chunks_copied_and_present(ckpt: str, tmp_path: Path,
 
 def test_cp_refuses_a_source_with_a_missing_chunk(ckpt: str, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    chunk = base_chunk(ckpt)
+    chunk = base_chunks(ckpt)[0]
     os.remove(os.path.join(ckpt, chunk))
     dst = str(tmp_path / "backup")
     code, _, err = run(capsys, "cp", ckpt, dst, "--step", "20")

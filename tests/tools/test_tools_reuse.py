@@ -16,6 +16,7 @@ import torch
 from _checkpoints import (
     REUSE_STEPS,
     assert_reuse_restores,
+    base_chunks,
     flip_byte,
     reuse_state,
     save_reuse_root,
@@ -50,14 +51,6 @@ def ckpt(template: str, tmp_path: Path) -> str:
 def manifests(root: str) -> dict[int, Any]:
     store = StepStore(open_storage(root, writable=False))
     return {s: store.read_manifest(s) for s in store.committed_steps()}
-
-
-def base_chunks(root: str) -> list[str]:
-    """The shared chunks every reuse step references (the frozen base's row blocks)."""
-    m = manifests(root)
-    common = set.intersection(*({f.path for f in m[s].shared} for s in STEPS[1:]))
-    assert len(common) == 2, common
-    return sorted(common)
 
 
 def test_the_root_holds_shared_chunks(template: str) -> None:
