@@ -18,7 +18,9 @@ from __future__ import annotations
 import copy
 import ctypes
 import logging
+import mmap
 import os
+import sys
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,6 +34,46 @@ from ckptmgr.dcp.shards import ShardedTensor, StagedDTensor, StagedShards
 __all__ = ["SaveQueue", "Stager"]
 
 log = logging.getLogger("ckptmgr")
+
+
+# Staging buffers of plain CPU tensors (thread mode) lie in memory backed by transparent huge
+# pages where the kernel offers them: a direct write from 2 MiB pages hands the disk larger
+# requests and pins 512x fewer pages.
+HUGE_PAGES = True
+_HUGE = 2 << 20
+_PAGE = 4096
+
+
+def _thp_enabled() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read()
+    except OSError:
+        return False
+    return "[always]" in mode or "[madvise]" in mode
+
+
+_THP = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE") and _thp_enabled()
+
+
+def _huge_page_buffers(specs: list[tuple[tuple[int, ...], torch.dtype]]
+                       ) -> list[torch.Tensor] | None:
+    """Tensors of ``specs``' shapes and dtypes, page-aligned views of one private anonymous
+    mapping advised to use huge pages; None where the kernel has none."""
+    if not _THP:
+        return None
+    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+             for shape, dt in specs]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // _PAGE) * _PAGE
+    m = mmap.mmap(-1, max(total, _PAGE) + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m.madvise(mmap.MADV_HUGEPAGE)
+    base = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
+    start = -base.data_ptr() % _HUGE
+    return [base[start + off:start + off + n].view(dt).view(shape)
+            for off, n, (shape, dt) in zip(offsets, sizes, specs, strict=True)]
 
 
 class Stager:
@@ -90,6 +132,21 @@ class Stager:
         """Whether ``key`` has no buffer fit for ``src`` (none, or another shape or dtype)."""
         buf = self._buffers.get(key)
         return buf is None or buf.shape != src.shape or buf.dtype != src.dtype
+
+    def _allocate_huge(self, flat: Mapping[str, Any]) -> None:
+        """(thread mode) One huge-page mapping for every plain CPU tensor whose buffer is
+        missing or changed (:func:`_huge_page_buffers`)."""
+        keys, specs = [], []
+        for key, value in flat.items():
+            src = value.to_local() if isinstance(value, DTensor) else value
+            if isinstance(src, torch.Tensor) and _plain_cpu(src) and self._stale(key, src):
+                keys.append(key)
+                specs.append((tuple(src.shape), src.dtype))
+        bufs = _huge_page_buffers(specs) if specs else None
+        if bufs is not None:
+            for key, buf in zip(keys, bufs, strict=True):
+                self._buffers[key] = buf
+                self._pinned.discard(key)
 
     def _buffer(self, key: str, src: torch.Tensor) -> torch.Tensor:
         if self._stale(key, src):
@@ -163,6 +220,8 @@ class Stager:
         if self.arenas is not None:
             with torch.no_grad():
                 self._allocate_shared(flat)
+        elif HUGE_PAGES:
+            self._allocate_huge(flat)
         try:
             with torch.no_grad():
                 for key, value in flat.items():

@@ -221,3 +221,53 @@ def test_staging_memory_is_bounded_and_reused(local_root: str) -> None:
     ratio, growth = float(fields[1]), float(fields[3])
     assert ratio <= 1.15, out.stdout
     assert growth < 0.05, out.stdout
+
+
+def _vma_flags(ptr: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds address ``ptr`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {ptr:#x}")
+
+
+def test_staging_buffers_lie_in_huge_pages_and_are_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain CPU tensors are staged into one page-aligned mapping advised to use huge pages (where
+    the kernel offers them); values are exact, buffers are reused while shapes stay, a changed
+    key alone gets a new buffer, other tensors get ordinary buffers."""
+    from ckptmgr import _async
+
+    dense = torch.randn(300, 700)
+    flat: dict[str, Any] = {
+        "w": dense, "half": torch.randn(513).to(torch.bfloat16), "mask": torch.rand(77) > 0.5,
+        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3), "strided": dense.t()[::2],
+        "conj": torch.randn(5, dtype=torch.complex64).conj(), "value": {"lr": 0.1},
+    }
+    stager = _async.Stager()
+    out = stager.stage(flat)
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(out[key], value.resolve_conj()), key
+            assert value.numel() == 0 or out[key].data_ptr() != value.data_ptr(), key
+        else:
+            assert out[key] == value
+    plain = ["w", "half", "mask", "scalar"]
+    if _async._THP:
+        for key in plain:
+            assert out[key].data_ptr() % 4096 == 0, key
+            assert "hg" in _vma_flags(out[key].data_ptr()), key
+    again = stager.stage({**flat, "w": torch.randn(300, 700)})
+    assert {k: again[k].data_ptr() for k in plain} == {k: out[k].data_ptr() for k in plain}
+    changed = stager.stage({**flat, "half": torch.randn(600).to(torch.bfloat16)})
+    assert changed["half"].data_ptr() != out["half"].data_ptr()
+    assert changed["w"].data_ptr() == out["w"].data_ptr()
+    monkeypatch.setattr(_async, "HUGE_PAGES", False)
+    ordinary = _async.Stager().stage({"w": dense})
+    assert torch.equal(ordinary["w"], dense)
+    assert "hg" not in _vma_flags(ordinary["w"].data_ptr())
