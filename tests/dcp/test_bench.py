@@ -234,13 +234,16 @@ def test_direct_writer_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, si
     assert os.path.getsize(tmp_path / "f") == size
 
 
+@pytest.mark.parametrize("copy_all", [False, True])
 @pytest.mark.parametrize("shift", [0, 64, 1000, 4095])
 def test_direct_writer_unbuffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                  shift: int) -> None:
+                                  shift: int, copy_all: bool) -> None:
     """Writes from the caller's memory land at the offsets returned, between copied writes,
-    with zero padding only; several writes in flight, pieces larger than one write split."""
+    with zero padding only; several writes in flight, pieces larger than one write split.
+    With ``COPY_ALL`` (the default) the same calls copy every byte and pad nothing."""
     if not _direct_supported(tmp_path):
         pytest.skip("no O_DIRECT on this file system")
+    monkeypatch.setattr(local, "COPY_ALL", copy_all)
     monkeypatch.setattr(local, "_DIRECT_BUF", 65536)
     monkeypatch.setattr(local, "_DIRECT_MAX_WRITE", 3 * 4096)
     from ckptmgr.dcp.tensor_bytes import tensor_memoryview
@@ -258,6 +261,7 @@ def test_direct_writer_unbuffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         pos += 2 * i
         start = w.write_unbuffered(tensor_memoryview(src), src)
         assert pos <= start < pos + 4096
+        assert start == pos or not copy_all
         expected.append((start, bytes(src.numpy())))
         pos = start + n
     w.write(b"end")
@@ -266,6 +270,43 @@ def test_direct_writer_unbuffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert len(blob) == pos + 3 and blob.endswith(b"end")
     for start, data in expected:
         assert blob[start:start + len(data)] == data
+
+
+def test_bounce_buffers_are_kept_for_the_next_file(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A committed or aborted file hands its bounce buffers (advised to use huge pages) to the
+    next one; idle buffers beyond the bound are unmapped."""
+    if not _direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    import ctypes
+
+    from _memory import vma_flags
+
+    pool = local._BouncePool()
+    monkeypatch.setattr(local, "_BOUNCE_POOL", pool)
+    storage = LocalStorage(str(tmp_path))
+    data = os.urandom(3 * (1 << 20) + 5)
+    w = storage.open_writer("a", size_hint=len(data))
+    assert isinstance(w, local._DirectWriter)
+    maps = list(w._maps)
+    assert len(maps) == local._COPY_NBUF
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(maps[0]))
+    if hasattr(local.mmap, "MADV_HUGEPAGE"):
+        assert "hg" in vma_flags(addr)
+    w.write(data)
+    w.commit()
+    w2 = storage.open_writer("b", size_hint=len(data))
+    assert isinstance(w2, local._DirectWriter)
+    assert {id(m) for m in w2._maps} == {id(m) for m in maps}
+    w2.write(data)
+    w2.abort()
+    assert storage.read_bytes("a") == data and not storage.exists("b")
+    monkeypatch.setattr(local, "_POOL_IDLE_MAX", 2 * len(maps[0]))
+    fresh = local._BouncePool()
+    for m in maps:
+        fresh.give(m)
+    assert sum(len(v) for v in fresh._idle.values()) == 2
+    assert sum(m.closed for m in maps) == len(maps) - 2
 
 
 def test_padded_file_checksum_covers_every_byte(local_root: str) -> None:
@@ -463,6 +504,23 @@ def test_check_json_depth_is_fast_on_large_and_hostile_input() -> None:
 
 
 def test_direct_buffer_size_bounds_the_extra_memory() -> None:
+    """Copying every item (the default): six buffers of 1/64 of the file, 4-64 MiB each."""
+    mib = 1 << 20
+    assert local.COPY_ALL and local._COPY_NBUF == 6
+    assert local.direct_buffer_size(None) == local._DIRECT_BUF == 64 * mib
+    assert local.direct_buffer_size(0) == 4 * mib
+    assert local.direct_buffer_size(256 * mib) == 4 * mib
+    assert local.direct_buffer_size(1 << 30) == 16 * mib
+    assert local.direct_buffer_size(4 << 30) == 64 * mib
+    for size in (1, 300 * mib + 7, 5 << 30):
+        buf = local.direct_buffer_size(size)
+        assert buf % 4096 == 0
+        # six buffers: at most ~10% of a large file, never more than 384 MiB
+        assert 6 * buf <= max(6 * 4 * mib, size * 6 / 64 + 6 * mib)
+
+
+def test_direct_buffer_size_without_copying(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "COPY_ALL", False)
     mib = 1 << 20
     assert local.direct_buffer_size(None) == local._DIRECT_BUF == 64 * mib
     assert local.direct_buffer_size(0) == 8 * mib

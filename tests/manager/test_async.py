@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from _faulty import FaultyFS, Gate, install, open_when_called, reset
+from _memory import vma_flags
 from _procs import Zygote
 
 from ckptmgr import AsyncSaveError, CheckpointManager, SaveError
@@ -223,20 +224,6 @@ def test_staging_memory_is_bounded_and_reused(local_root: str) -> None:
     assert growth < 0.05, out.stdout
 
 
-def _vma_flags(ptr: int) -> list[str]:
-    """The VmFlags of this process's mapping that holds address ``ptr`` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= ptr < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {ptr:#x}")
-
-
 def test_staging_buffers_lie_in_huge_pages_and_are_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plain CPU tensors are staged into one page-aligned mapping advised to use huge pages (where
     the kernel offers them); values are exact, buffers are reused while shapes stay, a changed
@@ -261,7 +248,7 @@ def test_staging_buffers_lie_in_huge_pages_and_are_reused(monkeypatch: pytest.Mo
     if _async._THP:
         for key in plain:
             assert out[key].data_ptr() % 4096 == 0, key
-            assert "hg" in _vma_flags(out[key].data_ptr()), key
+            assert "hg" in vma_flags(out[key].data_ptr()), key
     again = stager.stage({**flat, "w": torch.randn(300, 700)})
     assert {k: again[k].data_ptr() for k in plain} == {k: out[k].data_ptr() for k in plain}
     changed = stager.stage({**flat, "half": torch.randn(600).to(torch.bfloat16)})
@@ -270,4 +257,4 @@ def test_staging_buffers_lie_in_huge_pages_and_are_reused(monkeypatch: pytest.Mo
     monkeypatch.setattr(_async, "HUGE_PAGES", False)
     ordinary = _async.Stager().stage({"w": dense})
     assert torch.equal(ordinary["w"], dense)
-    assert "hg" not in _vma_flags(ordinary["w"].data_ptr())
+    assert "hg" not in vma_flags(ordinary["w"].data_ptr())
