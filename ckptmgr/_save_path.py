@@ -20,6 +20,7 @@ from typing import Any
 
 from ckptmgr._async import SaveQueue, Stager
 from ckptmgr._dist import Comm
+from ckptmgr._gc import gc_paused
 from ckptmgr._save_on_close import LastGiven
 from ckptmgr.codec.layout import check_step
 from ckptmgr.codec.manifest import check_metadata, check_metrics
@@ -106,6 +107,7 @@ class SavePath:
         """Whether a preemption was agreed, and its checkpoint taken, at ``step`` (local)."""
         return check_step(step) == self._preempted_step
 
+    @gc_paused()
     def save(self, step: int, state_dict: Mapping[str, Any], force: bool = False, *,
              metrics: Mapping[str, float] | None = None, metadata: Mapping[str, Any] | None = None,
              trusted: bool = False) -> bool:
@@ -130,6 +132,7 @@ class SavePath:
         self._write(ready, ready.prepared.flat, self._caller, blocking_s=None)
         return True
 
+    @gc_paused()
     def save_async(self, step: int, state_dict: Mapping[str, Any], force: bool = False, *,
                    metrics: Mapping[str, float] | None = None,
                    metadata: Mapping[str, Any] | None = None, trusted: bool = False) -> bool:

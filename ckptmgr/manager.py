@@ -25,6 +25,7 @@ from typing import Any
 
 from ckptmgr._async import SaveQueue, Stager
 from ckptmgr._dist import Comm, collective_timeout, make_group
+from ckptmgr._gc import gc_paused
 from ckptmgr._save_on_close import LastGiven
 from ckptmgr._save_path import SavePath
 from ckptmgr._shm import ArenaSet
@@ -282,6 +283,7 @@ class CheckpointManager(SavePath):
         self.restore(step, state_dict, **restore_kwargs)
         return step
 
+    @gc_paused()
     def restore(self, step: int, state_dict: Mapping[str, Any], *, allow_partial: bool = False,
                 trusted: bool = False) -> None:
         """Load ``step`` into ``state_dict`` in place (resharding as needed). Collective.

@@ -1,0 +1,42 @@
+"""Python's cyclic garbage collector paused while a blocking call of the manager runs.
+
+A save or restore allocates tens of thousands of short-lived objects (plans, items, metadata
+columns) and frees them by reference counting when it returns. With the collector running, those
+allocations trip its thresholds part-way and it scans every tracked object of the process, the
+training job's own included: one full collection during a restore of 816 tensors took 160-270 ms
+here, more than the metadata and planning together (docs/performance.md, "Garbage collection").
+Paused for the call, nothing is scanned, and the objects the call freed leave the collector's
+counts where they were. Only blocking calls pause it (the caller waits for them anyway); a
+background save's thread never does, since the training loop runs meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+from collections.abc import Iterator
+
+__all__ = ["gc_paused"]
+
+_LOCK = threading.Lock()
+_depth = 0  # calls inside gc_paused now (threads and nesting together)
+_resume = False  # whether the collector was enabled when the first of them began
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Disable the collector for the block; the last block to end restores its earlier state."""
+    global _depth, _resume
+    with _LOCK:
+        if _depth == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _depth += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _depth -= 1
+            if _depth == 0 and _resume:
+                gc.enable()
