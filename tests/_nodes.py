@@ -1,10 +1,12 @@
 """Simulated nodes on one machine, for node-loss tests and benchmarks (issue 29).
 
-A :class:`Node` is a long-lived *agent* process that imported torch and ckptmgr once and forks the
-node's ranks on request (like tests/_procs.py's zygote), so a rank starts in tenths of a second.
+A :class:`Node` is a long-lived *agent* process that forks the node's ranks on request (like
+tests/_procs.py's zygote). Agents are themselves forked from a node zygote that imported torch and
+ckptmgr once per test session, so a node starts, and a rank starts, in tenths of a second.
 Two variants, same interface:
 
-- ``namespaced=True``: the agent runs as the init of its own namespaces (``unshare``): its own
+- ``namespaced=True``: the agent runs as the init of its own namespaces (what ``unshare
+  --user --map-root-user --pid --fork --mount-proc --uts --kill-child`` makes): its own
   user namespace (root mapped to us), PID namespace, UTS namespace (its own host name) and mount
   namespace with a private tmpfs mounted at :attr:`Node.disk`, its local disk. The network is
   *not* unshared: every rank joins the others over loopback. Every node may be given the same
@@ -26,6 +28,7 @@ the job's directory (results, gates); every wait has a timeout, nothing sleeps f
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -35,6 +38,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -42,119 +46,350 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-# What a node's agent imports before it forks ranks (s3fs: the durable tier of the tests).
+# What a node's agent imports before it forks ranks (s3fs: the durable tier of the tests), down to
+# what ckptmgr and DTensor import lazily (torch._dynamo alone takes seconds under load): a rank of
+# tests/fixtures/node_train.py imports nothing else.
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint",
-           "torch.distributed.tensor", "ckptmgr", "s3fs")
+           "torch.distributed.checkpoint.state_dict", "torch.distributed.device_mesh",
+           "torch.distributed.tensor", "torch._dynamo", "ckptmgr", "ckptmgr.config",
+           "ckptmgr.local_tier", "ckptmgr.manager", "ckptmgr.replicas", "s3fs")
 
 TRAIN = Path(__file__).resolve().parent / "fixtures" / "node_train.py"
 
 # How long a test waits for a node or a rank before it fails instead of hanging.
 TIMEOUT_S = 120.0
 
-_UNSHARE = ("unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc", "--uts",
-            "--kill-child")
+# The node zygote: imports the preload once, then starts each node's agent by forking. One JSON
+# request per datagram on the socket from the test, with the new agent's end of its own socket
+# pair attached; the answer is the pid of the forked child (the agent of a plain node; the outer
+# process of a namespaced node, which waits for the namespace's init as `unshare --fork` does).
+# When the test's end closes, the zygote exits (its agents live on until their own sockets
+# close).
+#
+# The agent: init of the node (namespaced) or a process-group leader (plain). One JSON request
+# per datagram on its socket from the test, one JSON answer each. It forks ranks and reaps them;
+# when the test's end of the socket closes, it kills its ranks and exits (so a namespaced node,
+# whose init it is, ends entirely).
+_NAMESPACES = r"""
+import ctypes, gc, importlib, json, os, runpy, shutil, signal, socket, sys, traceback, types
 
-# The agent: init of the node (namespaced) or a process-group leader (plain). One JSON request per
-# datagram on the socket from the test, one JSON answer each. It forks ranks and reaps them; when
-# the test's end of the socket closes, it kills its ranks and exits (so a namespaced node, whose
-# init it is, ends entirely).
-_AGENT = r"""
-import importlib, json, os, runpy, shutil, signal, socket, sys, traceback, types
+# <sched.h>, <sys/mount.h>, <sys/prctl.h>
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x4000000, 0x10000000, 0x20000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
+PR_SET_PDEATHSIG = 1
+libc = ctypes.CDLL(None, use_errno=True)
 
+
+def check(result, what):
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def enter_namespaces(uid, gid):
+    # What `unshare --user --map-root-user --pid --fork --mount-proc --uts` does before its fork
+    # (the fork and the /proc mount follow in the caller): a forked child has one thread, as the
+    # user namespace requires.
+    check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWPID), "unshare")
+    for name, line in (("uid_map", f"0 {uid} 1"), ("setgroups", "deny"),
+                       ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(line)
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "mount --make-rprivate /")
+
+
+def become_init(cmd):
+    # The namespace's init, as `unshare --kill-child --mount-proc` and the old `sh -c 'hostname
+    # && mount -t tmpfs'` made it: killed with its parent, its own /proc, host name and tmpfs.
+    check(libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None),
+          "mount /proc")
+    name = cmd["name"].encode()
+    check(libc.sethostname(name, len(name)), "sethostname")
+    check(libc.mount(b"none", cmd["disk"].encode(), b"tmpfs", 0,
+                     f"size={cmd['tmpfs_size']}".encode()), f"mount tmpfs on {cmd['disk']}")
+"""
+
+_AGENT = _NAMESPACES + r"""
 for name in json.loads(sys.argv[2]):
     try:
         importlib.import_module(name)
     except Exception as e:  # best effort: the rank imports it again and reports the error
-        print(f"node agent: preloading {name} failed: {e!r}", file=sys.stderr, flush=True)
+        print(f"node zygote: preloading {name} failed: {e!r}", file=sys.stderr, flush=True)
+# The preloaded objects out of the collector's reach: a collection in a fork would otherwise
+# write to (and so copy) every page of them.
+gc.freeze()
 
-sock = socket.socket(fileno=int(sys.argv[1]))
-children = set()
+
+def serve(sock):
+    children = set()
+    while True:
+        msg = sock.recv(1 << 20)
+        if not msg:
+            break
+        cmd = json.loads(msg)
+        op = cmd["op"]
+        try:
+            if op == "spawn":
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+                if pid == 0:  # never returns to the loop: the program's exit ends this process
+                    sock.close()
+                    fd = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                    os.dup2(fd, 1)
+                    os.dup2(fd, 2)
+                    os.close(fd)
+                    os.environ.clear()
+                    os.environ.update(cmd["env"])
+                    sys.argv = cmd["argv"]
+                    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+                    sys.modules["__main__"] = types.ModuleType("__main__")
+                    try:
+                        runpy.run_path(sys.argv[0], run_name="__main__")
+                    except SystemExit:
+                        raise
+                    except BaseException:  # as an interpreter would: a traceback and status 1
+                        traceback.print_exc()
+                        raise SystemExit(1) from None
+                    # Up through agent() and the zygote's loop to the top of the script: the
+                    # process ends as an interpreter ends (threads joined, atexit, teardown).
+                    raise SystemExit(0)
+                children.add(pid)
+                answer = pid
+            elif op == "poll":
+                pid, status = os.waitpid(cmd["pid"], os.WNOHANG)
+                answer = os.waitstatus_to_exitcode(status) if pid else None
+                if pid:
+                    children.discard(pid)
+            elif op == "kill":
+                os.kill(cmd["pid"], cmd["sig"])
+                answer = True
+            elif op == "info":
+                answer = {"hostname": socket.gethostname(), "pid": os.getpid()}
+            elif op == "copy":  # a directory as this node sees it (its disk) to or from the host
+                shutil.copytree(cmd["src"], cmd["dst"], symlinks=True, dirs_exist_ok=True)
+                answer = True
+            elif op == "wipe":  # the node's disk emptied, the mount point kept
+                for entry in os.listdir(cmd["path"]):
+                    p = os.path.join(cmd["path"], entry)
+                    if os.path.isdir(p) and not os.path.islink(p):
+                        shutil.rmtree(p)
+                    else:
+                        os.unlink(p)
+                answer = True
+            else:
+                raise ValueError(f"unknown op {op!r}")
+            sock.send(json.dumps({"ok": answer}).encode())
+        except Exception as e:
+            sock.send(json.dumps({"err": f"{type(e).__name__}: {e}"}).encode())
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def setup_failed():
+    # A node that cannot start: its log says why, the test sees its socket close.
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def agent(cmd, sock):
+    # (forked child of the zygote) Serves the node and never returns; a rank it forks leaves
+    # with the SystemExit that ends its program.
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the agent reaps its ranks itself
+        os.environ.clear()  # the test's environment when it started the node
+        os.environ.update(cmd["env"])
+        fd = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        if cmd["namespaced"]:
+            enter_namespaces(cmd["uid"], cmd["gid"])
+            init = os.fork()
+        else:
+            os.setsid()  # a process-group leader: node loss is a kill of its group
+            init = 0
+        if init == 0 and cmd["namespaced"]:
+            become_init(cmd)
+    except BaseException:
+        setup_failed()
+    if init == 0:
+        serve(sock)
+        os._exit(0)  # the agent runs no program of its own: nothing to finalize
+    # The namespaced node's outer process, as `unshare --fork`: it waits for the init and
+    # exits with its status. Only the init holds the socket: its death is the test's EOF.
+    sock.close()
+    status = os.waitstatus_to_exitcode(os.waitpid(init, 0)[1])
+    os._exit(status if status >= 0 else 128 - status)
+
+
+def reap(*_):
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+signal.signal(signal.SIGCHLD, reap)
+zsock = socket.socket(fileno=int(sys.argv[1]))
 while True:
-    msg = sock.recv(1 << 20)
+    msg, fds, _, _ = socket.recv_fds(zsock, 1 << 16, 1)
     if not msg:
         break
     cmd = json.loads(msg)
-    op = cmd["op"]
     try:
-        if op == "spawn":
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:  # never returns to the loop: the program's exit ends this process
-                sock.close()
-                fd = os.open(cmd["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
-                os.close(fd)
-                os.environ.clear()
-                os.environ.update(cmd["env"])
-                sys.argv = cmd["argv"]
-                sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
-                sys.modules["__main__"] = types.ModuleType("__main__")
-                try:
-                    runpy.run_path(sys.argv[0], run_name="__main__")
-                except SystemExit:
-                    raise
-                except BaseException:  # as an interpreter would: a traceback and status 1
-                    traceback.print_exc()
-                    raise SystemExit(1) from None
-                raise SystemExit(0)  # past the agent's handlers: ends like an interpreter
-            children.add(pid)
-            answer = pid
-        elif op == "poll":
-            pid, status = os.waitpid(cmd["pid"], os.WNOHANG)
-            answer = os.waitstatus_to_exitcode(status) if pid else None
-            if pid:
-                children.discard(pid)
-        elif op == "kill":
-            os.kill(cmd["pid"], cmd["sig"])
-            answer = True
-        elif op == "info":
-            answer = {"hostname": socket.gethostname(), "pid": os.getpid()}
-        elif op == "copy":  # a directory as this node sees it (its own disk) to or from the host
-            shutil.copytree(cmd["src"], cmd["dst"], symlinks=True, dirs_exist_ok=True)
-            answer = True
-        elif op == "wipe":  # the node's disk emptied, the mount point kept
-            for entry in os.listdir(cmd["path"]):
-                p = os.path.join(cmd["path"], entry)
-                if os.path.isdir(p) and not os.path.islink(p):
-                    shutil.rmtree(p)
-                else:
-                    os.unlink(p)
-            answer = True
-        else:
-            raise ValueError(f"unknown op {op!r}")
-        sock.send(json.dumps({"ok": answer}).encode())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                zsock.close()
+                agent(cmd, socket.socket(fileno=fds[0]))
+            except SystemExit:  # a rank's program ended: the interpreter ends the process
+                raise
+            except BaseException:
+                traceback.print_exc()
+            os._exit(1)  # never back in the zygote's loop
+        os.close(fds[0])
+        zsock.send(json.dumps({"ok": pid}).encode())
     except Exception as e:
-        sock.send(json.dumps({"err": f"{type(e).__name__}: {e}"}).encode())
-for pid in children:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        zsock.send(json.dumps({"err": f"{type(e).__name__}: {e}"}).encode())
+"""
+
+
+# The check of :func:`namespace_problem`: the agent's own code enters the namespaces, in a small
+# interpreter without the preload.
+_NAMESPACES_CHECK = _NAMESPACES + r"""
+disk = sys.argv[1]
+enter_namespaces(os.getuid(), os.getgid())
+init = os.fork()
+if init == 0:
     try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        become_init({"name": "ckptmgr-check", "disk": disk, "tmpfs_size": "1m"})
+        open(os.path.join(disk, "x"), "w").close()
+        print(socket.gethostname(), os.getpid(), flush=True)
+        os._exit(0)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+os._exit(os.waitstatus_to_exitcode(os.waitpid(init, 0)[1]) & 0xFF)
 """
 
 
 @cache
 def namespace_problem() -> str | None:
-    """Why nodes cannot run in their own namespaces here (None: they can). Checked once: an
-    ``unshare`` with every namespace a node uses, setting a host name and mounting a tmpfs."""
-    if shutil.which("unshare") is None:
-        return "no unshare binary (util-linux)"
+    """Why nodes cannot run in their own namespaces here (None: they can). Checked once, with
+    the agent's own code: user, PID, UTS and mount namespaces, a host name, /proc and a tmpfs."""
     with tempfile.TemporaryDirectory(prefix="ckptmgr-ns-check-") as d:
         try:
-            out = subprocess.run(
-                [*_UNSHARE, "sh", "-c", 'hostname ckptmgr-check && mount -t tmpfs none "$0" && '
-                 'touch "$0/x" && hostname', d],
-                capture_output=True, text=True, timeout=30)
+            out = subprocess.run([sys.executable, "-c", _NAMESPACES_CHECK, d],
+                                 capture_output=True, text=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired) as e:
-            return f"unshare failed: {e}"
-        if out.returncode != 0 or out.stdout.strip() != "ckptmgr-check":
-            return (f"unshare -Urpfu --mount-proc with hostname and a tmpfs mount failed "
-                    f"(status {out.returncode}): {out.stderr.strip()[-300:]}")
+            return f"entering namespaces failed: {e}"
+        if out.returncode != 0 or out.stdout.strip() != "ckptmgr-check 1":
+            return (f"unshare(user, pid, uts, mount) with a host name, /proc and a tmpfs mount "
+                    f"failed (status {out.returncode}): {out.stderr.strip()[-300:]}")
         if os.listdir(d):
             return "the tmpfs mounted in the namespace was visible outside it"
     return None
+
+
+class _Zygote:
+    """The test's end of a node zygote (see ``_AGENT``): an interpreter that imported the
+    preload once and forks each node's agent, so a node starts in tenths of a second instead of
+    the seconds of importing torch (more under load). One per environment and preload, for the
+    whole test session (:func:`_zygote`).
+
+    Args:
+        env: variables on top of this process's environment while the zygote imports.
+        preload: the modules it imports.
+    """
+
+    def __init__(self, env: dict[str, str], preload: Sequence[str]) -> None:
+        self.dir = tempfile.mkdtemp(prefix="ckptmgr-node-zygote-")
+        self.log = os.path.join(self.dir, "zygote.log")
+        script = os.path.join(self.dir, "node_agent.py")  # a file, not -c: readable in ps
+        Path(script).write_text(_AGENT)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with open(self.log, "ab") as logf:
+            # cwd: not the repository (the agents' sys.path starts with the script's folder,
+            # never the repository's, whose ckptmgr would shadow a PYTHONPATH given to compare
+            # other code).
+            self.proc = subprocess.Popen(
+                [sys.executable, script, str(theirs.fileno()), json.dumps(list(preload))],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
+                env={**os.environ, **env}, cwd=self.dir)
+        theirs.close()
+        self._sock = ours
+        self._sock.settimeout(TIMEOUT_S)  # the first answer waits for the preload
+        self._lock = threading.Lock()
+
+    def start_agent(self, agent_end: socket.socket, request: dict[str, Any]) -> int:
+        """Fork an agent serving ``agent_end`` (see ``_AGENT``'s ``agent``); the forked pid."""
+        with self._lock:
+            try:
+                socket.send_fds(self._sock, [json.dumps(request).encode()],
+                                [agent_end.fileno()])
+                reply = self._sock.recv(1 << 16)
+            except OSError as e:
+                raise NodeError(f"the node zygote did not answer: {e}") from e
+        if not reply:
+            raise NodeError(f"the node zygote died (status {self.proc.poll()}): "
+                            f"{_tail(self.log)}")
+        out = json.loads(reply)
+        if "err" in out:
+            raise NodeError(f"the node zygote could not start node {request['name']}: "
+                            f"{out['err']}")
+        return int(out["ok"])
+
+    def close(self) -> None:
+        self._sock.close()  # end of file: the zygote exits (agents live until their sockets close)
+        try:
+            self.proc.wait(timeout=TIMEOUT_S)
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_ZYGOTES: dict[tuple[tuple[tuple[str, str], ...], str | None, tuple[str, ...]], _Zygote] = {}
+_ZYGOTES_LOCK = threading.Lock()
+
+
+def _zygote(env: dict[str, str], preload: Sequence[str]) -> _Zygote:
+    """The session's zygote for agents whose extra variables are ``env``, importing ``preload``.
+
+    What it imports depends on ``env`` and ``PYTHONPATH``, not on the rest of this process's
+    environment (which pytest changes at every test: ``PYTEST_CURRENT_TEST``); each agent takes
+    the environment of its start from the request instead."""
+    key = (tuple(sorted(env.items())), os.environ.get("PYTHONPATH"), tuple(preload))
+    with _ZYGOTES_LOCK:
+        zygote = _ZYGOTES.get(key)
+        if zygote is None or zygote.proc.poll() is not None:
+            if not _ZYGOTES:
+                atexit.register(_close_zygotes)
+            zygote = _ZYGOTES[key] = _Zygote(env, preload)
+    return zygote
+
+
+def _close_zygotes() -> None:
+    with _ZYGOTES_LOCK:
+        for zygote in _ZYGOTES.values():
+            with contextlib.suppress(Exception):
+                zygote.close()
+        _ZYGOTES.clear()
 
 
 class NodeError(AssertionError):
@@ -173,7 +408,7 @@ class Node:
         env: variables of the agent (and so of what it imports, e.g. ``PYTHONPATH``) on top of
             this process's environment.
         tmpfs_size: size limit of a namespaced node's tmpfs.
-        preload: modules the agent imports before it forks ranks.
+        preload: modules imported (once, by the node zygote) before the agent forks ranks.
         wait: wait until the agent is ready (else call :meth:`ready`).
     """
 
@@ -184,49 +419,43 @@ class Node:
         self.disk = disk
         self.namespaced = namespaced
         self.lost = False
-        # The agent's own output (and unshare's) goes to a file beside the disk: read on failure.
+        # The agent's own output goes to a file beside the disk: read on failure.
         self.log = os.path.join(os.path.dirname(disk.rstrip("/")), f"node-{name}.log")
         os.makedirs(os.path.dirname(self.log), exist_ok=True)
-        script = os.path.join(os.path.dirname(self.log), "node_agent.py")
-        if not os.path.exists(script):  # a file, not -c: a readable command line in ps
-            Path(script).write_text(_AGENT)
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        agent = [sys.executable, script, str(theirs.fileno()), json.dumps(list(preload))]
         if namespaced:
             if not os.path.isdir(disk):
                 raise NodeError(f"the mount point {disk} of node {name} does not exist")
-            argv = [*_UNSHARE, "sh", "-c",
-                    'hostname "$1" && mount -t tmpfs -o size="$2" none "$3" && shift 3 && '
-                    'exec "$@"', "node-init", name, tmpfs_size, disk, *agent]
         else:
             os.makedirs(disk, exist_ok=True)
-            argv = agent
-        with open(self.log, "ab") as logf:
-            # cwd: not the repository (the agent's sys.path starts with its script's folder,
-            # never the repository's, whose ckptmgr would shadow a PYTHONPATH given to compare
-            # other code).
-            self.proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()],
-                                         stdin=subprocess.DEVNULL, stdout=logf, stderr=logf,
-                                         env={**os.environ, **(env or {})},
-                                         cwd=os.path.dirname(self.log),
-                                         start_new_session=not namespaced)
-        theirs.close()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            # The forked child: the plain agent, or the namespaced node's outer process (as
+            # `unshare --fork` was: it waits for the namespace's init, which it forked).
+            self.pid = _zygote(env or {}, preload).start_agent(theirs, {
+                "name": name, "disk": disk, "namespaced": namespaced, "tmpfs_size": tmpfs_size,
+                "log": self.log, "uid": os.getuid(), "gid": os.getgid(),
+                "env": {**os.environ, **(env or {})}})
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         self._sock = ours
         self._sock.settimeout(TIMEOUT_S)
         self.pids: list[int] = []  # ranks spawned (pids as the node sees them)
-        self.host_pid = self.proc.pid  # the plain agent / the namespaced node's init, below
+        self.host_pid = self.pid  # the plain agent / the namespaced node's init, below
         self.hostname = ""
         if wait:
             self.ready()
 
     def ready(self) -> None:
-        """Wait until the agent answers (it has imported :data:`PRELOAD`)."""
+        """Wait until the agent answers (its namespaces, host name and disk are set up)."""
         if self.hostname:
             return
         try:
             info = self._ask({"op": "info"})
             if self.namespaced:
-                self.host_pid = _init_of(self.proc.pid)
+                self.host_pid = _init_of(self.pid)
                 if info["pid"] != 1:
                     raise NodeError(f"node {self.name}: the agent is not the namespace's init: "
                                     f"{info}")
@@ -244,8 +473,7 @@ class Node:
         except OSError as e:  # socket.timeout included
             raise NodeError(f"node {self.name} did not answer {msg['op']}: {e}") from e
         if not reply:
-            raise NodeError(f"node {self.name}'s agent died (status {self.proc.poll()}): "
-                            f"{_tail(self.log)}")
+            raise NodeError(f"node {self.name}'s agent died: {_tail(self.log)}")
         out = json.loads(reply)
         if "err" in out:
             raise NodeError(f"node {self.name}: {msg['op']} failed: {out['err']}")
@@ -292,16 +520,16 @@ class Node:
 
     def _kill(self) -> None:
         if self.namespaced:
-            # Killing the PID namespace's init makes the kernel kill every process in it; unshare
-            # (waiting for it) returns once the namespace is empty, and the tmpfs goes with the
-            # last process of the mount namespace.
+            # Killing the PID namespace's init makes the kernel kill every process in it; the
+            # outer process (waiting for it) exits once the namespace is empty, and the tmpfs
+            # goes with the last process of the mount namespace, the outer one.
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.host_pid, signal.SIGKILL)
         else:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                os.killpg(self.pid, signal.SIGKILL)
         try:
-            self.proc.wait(timeout=TIMEOUT_S)
+            _wait_gone([self.pid])
         finally:
             self._sock.close()
         if not self.namespaced:  # its ranks were children of the agent: wait until they are gone
