@@ -141,6 +141,17 @@ class _BouncePool:
 _BOUNCE_POOL = _BouncePool()
 
 
+def _fresh_pool_in_child() -> None:
+    # A child forked while a thread held the pool's lock would inherit it locked; its idle
+    # buffers are copy-on-write copies of the parent's, not worth keeping.
+    global _BOUNCE_POOL
+    _BOUNCE_POOL = _BouncePool()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_pool_in_child)
+
+
 def _load_fallocate() -> Callable[[int, int, int, int], int] | None:
     if not sys.platform.startswith("linux"):
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import time
 import sys
 import uuid
 from pathlib import Path
@@ -307,6 +308,29 @@ def test_bounce_buffers_are_kept_for_the_next_file(tmp_path: Path,
         fresh.give(m)
     assert sum(len(v) for v in fresh._idle.values()) == 2
     assert sum(m.closed for m in maps) == len(maps) - 2
+
+
+def test_bounce_pool_after_fork_while_locked() -> None:
+    """A child forked while the parent's pool lock is held starts with a fresh pool."""
+    held = local._BOUNCE_POOL._lock
+    held.acquire()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: a locked pool would hang here
+            code = 0 if len(local._BOUNCE_POOL.take(4096)) == 4096 else 1
+            os._exit(code)
+    finally:
+        held.release()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child hung on the inherited pool lock")
 
 
 def test_padded_file_checksum_covers_every_byte(local_root: str) -> None:
