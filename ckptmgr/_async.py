@@ -221,7 +221,8 @@ class Stager:
             with torch.no_grad():
                 self._allocate_shared(flat)
         elif HUGE_PAGES:
-            self._allocate_huge(flat)
+            with torch.no_grad():
+                self._allocate_huge(flat)
         try:
             with torch.no_grad():
                 for key, value in flat.items():
