@@ -13,9 +13,10 @@ Call order (DCP's, per save):
    ``data-<attempt>-r<rank>-<index>.bin`` in the write directory: Python values are encoded first
    (on the calling thread, so an unsafe value fails before any byte is written); tensors are
    resolved on the stream's thread, small ones coalesced into one ``writev`` per 8 MiB, large ones
-   handed to the storage's ``write_unbuffered`` where it has one (local direct I/O: written from
-   the tensor's own memory, after padding the storage chose, which the file checksum covers) and
-   hashed meanwhile, else hashed and written in 4 MiB pieces. Each item and each file get an
+   handed to the storage's ``write_unbuffered`` where it has one (local direct I/O: copied into
+   its huge-page bounce buffers, or with ``COPY_ALL`` off written from the tensor's own memory
+   after padding the storage chose, which the file checksum covers) and hashed meanwhile, else
+   hashed and written in 4 MiB pieces. Each item and each file get an
    xxh3-64 checksum, computed in that same pass. The files are fsynced; locations go in the results.
 4) (coordinator, after every rank's ``write_data`` returned) ``finish``: write the metadata JSON,
    then the manifest, then make it visible: rename the staging directory into place (POSIX), or
@@ -25,9 +26,9 @@ Call order (DCP's, per save):
    attempts it replaced (our exact file names only), or, after a failed commit, its own.
 
 CPU share: by default one stream per rank, so a background save uses at most one core for its
-checksums (where the local storage writes with direct I/O, its choice by measurement, I/O
-threads that mostly sleep in the kernel write from the tensors' own memory, and no kernel time
-goes to page-cache writeback). Stream
+checksums and the copy into the bounce buffers (where the local storage writes with direct I/O,
+its choice by measurement, I/O threads that mostly sleep in the kernel write from those buffers,
+and no kernel time goes to page-cache writeback). Stream
 threads are ckptmgr's own and can run at a raised nice value (``io_nice``); the default is 0
 because a reniced writer, starved by a busy training loop, took 5x longer and cost the loop as
 much compute (docs/performance.md). The calling thread is never reniced.
