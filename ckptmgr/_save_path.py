@@ -163,12 +163,14 @@ class SavePath:
             AsyncSaveError: the background save, or a durable copy, failed (``step``: its step);
                 the original error is ``__cause__``.
         """
-        self._join_saves()
-        if self._local is not None:  # and for the peer replica transfer the save started
-            self._local.wait_replicas()
-        if self._uploads is not None:
-            self._uploads.drain(self._caller)
-            self._raise_upload_failure()
+        try:
+            self._join_saves()
+        finally:  # also when the save failed (agreed): nothing may run on after close()
+            if self._local is not None:  # and for the peer replica transfer the save started
+                self._local.wait_replicas()
+            if self._uploads is not None:
+                self._uploads.drain(self._caller)
+        self._raise_upload_failure()
 
     def _raise_upload_failure(self) -> None:
         """(every rank alike: failures are adopted by agreement) Raise the first failed durable
@@ -261,6 +263,11 @@ class SavePath:
                 # A durable save planned here writes the root alone: the uploads end first.
                 (self._uploads.adopt if upload or not durable else self._uploads.drain)(
                     self._caller)
+                if self._uploads.pending(req.step):
+                    # A copy of this very step is being made: whether the root holds it (and
+                    # so whether this save is admitted, and which version it replaces) is known
+                    # only after it, and the local files it reads must not be rewritten under it.
+                    self._uploads.drain(self._caller)
                 self._raise_upload_failure()
         finally:  # a writer process that died may have committed before it could say so
             if restarted:
@@ -373,18 +380,29 @@ class SavePath:
                                                  "trusted": req.trusted,
                                                  "root": self._durable.url}
                     } if ready.durable_due else req.metadata
-        local_err = self._local.save(
-            req.step, flat, comm, metrics=req.metrics, metadata=metadata,
-            trusted=req.trusted, num_threads=self.config.async_.num_of_threads,
-        ) if ready.local and self._local is not None else None
-        if ready.upload and self._uploads is not None:
+        # A step the uploader will copy is kept from local retention before it is written: the
+        # local save's own retention would otherwise delete it when it is older than the
+        # newest local steps kept (an older step saved again).
+        uploads = self._uploads if ready.upload else None
+        was_owed = uploads.pin(req.step) if uploads is not None else True
+        try:
+            local_err = self._local.save(
+                req.step, flat, comm, metrics=req.metrics, metadata=metadata,
+                trusted=req.trusted, num_threads=self.config.async_.num_of_threads,
+            ) if ready.local and self._local is not None else None
+        except BaseException:
+            if uploads is not None:
+                uploads.unpin(req.step, was_owed)
+            raise
+        if uploads is not None:
             job = UploadJob(req.step, blocking_s or 0.0, self._stager.last_staged_bytes)
             if local_err is None:  # the staging buffers are free once this returns
-                self._uploads.submit(job)
+                uploads.submit(job)
                 return
+            uploads.unpin(req.step, was_owed)
             # No local step to copy: the durable part from the staged copy, as without a local
             # tier, after the uploads before it (in this process: the uploader's tier).
-            done = self._uploads.write_now(job, lambda tier: self._write_staged(
+            done = uploads.write_now(job, lambda tier: self._write_staged(
                 tier, ready, flat, comm))
             if done is not None:
                 self._record_durable(req.step, done, blocking_s, job.staging_bytes, req.t_call)
@@ -407,6 +425,8 @@ class SavePath:
                 # two versions. The local copy goes (the failure is agreed on every rank).
                 self._local.forget(req.step)
             raise
+        if self._uploads is not None:  # the failed copies of older steps are superseded
+            self._uploads.superseded(plan.step)
         self._record_durable(plan.step, out, blocking_s,
                              self._stager.last_staged_bytes if blocking_s is not None else 0,
                              req.t_call)

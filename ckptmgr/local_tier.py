@@ -230,13 +230,19 @@ class LocalTier:
             tier._session = comm.broadcast(f"{time.time_ns():x}.{new_attempt_id()}")
             gathered: list[_Report] = comm.all_gather(held)
             tier._agreed_saves, tier._holders_of = _whole(gathered, comm.world_size)
-            tier.steps = sorted(tier._agreed_saves)
+            whole = sorted(tier._agreed_saves)
+            # Listed as local retention keeps them: the newest ``max_to_keep``. Older whole
+            # steps (a crash before local retention ran, or a step kept for its durable copy)
+            # are never listed again; they stay only for the copy a restart owes the durable
+            # tier (ckptmgr.uploader: :meth:`upload_candidates`), and go at the next local save.
+            tier.steps = whole[-tier.max_to_keep:]
+            tier._void.update(whole[:-tier.max_to_keep])
             if tier.replicas:
                 tier._open_replicas(comm, gathered, replica_comm)
         except BaseException:
             tier.close()
             raise
-        lost = sorted({h.step for h in held[0]} - set(tier.steps))
+        lost = sorted({h.step for h in held[0]} - set(tier._agreed_saves))
         if lost:
             log.warning("local tier %s: steps %s are not whole on every rank (a replaced node, "
                         "or a corrupt or unfinished save): not restorable from the local tier",
@@ -544,6 +550,12 @@ class LocalTier:
         gathered = comm.all_gather(((held, rep_held), listed))
         whole, holders_of = _whole([g[0] for g in gathered], comm.world_size, self._void)
         self.steps = sorted(whole)[-self.max_to_keep:]
+        # A whole step retention drops is never listed again unless re-saved (alike on every
+        # rank: ``whole`` is agreed), even while its files stay: a step owed to the durable tier
+        # is kept on disk for its upload, and must not come back as one of the newest whole
+        # steps at the next agreement, when it depends on the upload's timing whether it is
+        # still there.
+        self._void.update(s for s in whole if s not in self.steps)
         self._agreed_saves = {s: whole[s] for s in self.steps}
         self._holders_of = {s: holders_of[s] for s in self.steps}
         self._borrowed = {s: m for s, m in self._borrowed.items() if s in self.steps}
@@ -799,6 +811,11 @@ class LocalTier:
             self.lease.release()
             self.lease = None
 
+    def upload_candidates(self) -> list[int]:
+        """(ckptmgr.uploader, at construction) The whole steps, listed or not: an older whole
+        step is no longer listed, but its durable copy may still be owed."""
+        return sorted(self._agreed_saves)
+
     def upload_source(self, step: int, *, agreed: bool = False) -> tuple[Any, str]:
         """(ckptmgr.uploader) This rank's own committed ``step`` as its durable copy is made
         from it: the manifest and metadata (read, checked, and this rank's of this world size),
@@ -817,7 +834,8 @@ class LocalTier:
         assert self.store is not None
         source = read_restore_source(self.store, step, verify=True)
         save = self._check_owner(source.manifest).get("save")
-        if agreed and step not in self._own_agreed():
+        if agreed and (step in self._bad
+                       or self._saves.get(step, "-") != self._agreed_saves.get(step)):
             raise CorruptCheckpointError(
                 f"this rank's own copy of local step {step} ({save}) is damaged or another save "
                 f"than the one every rank agreed on ({self._agreed_saves.get(step)})", step=step)

@@ -141,10 +141,16 @@ class CheckpointManager(SavePath):
             self._local = LocalTier.open(  # its replica transfers: a group of their own
                 cfg, self._caller, lambda: Comm(make_group(process_group, timeout), timeout)
             ) if cfg.local.path else None
-            # Durable copies made from the local files in the background (ckptmgr.uploader,
-            # issue 29 item 2) are not enabled: the adversary's stateful model found hangs and
-            # lost or extra steps with them (docs/multitier.md). A step due on both tiers is
-            # written to the durable tier from the staged copy, after the local write.
+            if self._local is not None and not cfg.read_only:
+                # Durable copies of local steps, made in the background on a group of their own
+                # (also with async_mode="process": the writer process reads the staged state it
+                # is handed by reference, while an upload reads the local files, which this
+                # process maps; its work is hashing and I/O, which release the GIL).
+                self._uploads = Uploader(
+                    self._durable, self._local,
+                    Comm(group and make_group(process_group, timeout), timeout),
+                    on_commit=self._uploaded)
+                self._uploads.owed_at_start(self._caller)
             if self._writer is not None:  # started now: it is ready by the first save
                 self._writer.ensure(self._caller, self._durable.lease)
             self._preempt = PreemptionWatcher(

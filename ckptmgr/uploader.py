@@ -244,6 +244,7 @@ class Uploader:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._submitted = 0  # jobs given on this rank (alike on every rank once the saves ended)
+        self._unadopted: deque[int] = deque()  # steps of the jobs given, not yet adopted, in order
         self._adopted = 0  # jobs whose view the caller adopted (agreed)
         self._done: list[_Done] = []  # finished, not yet adopted, in order
         self._failed: list[_Done] = []  # adopted failures not yet raised
@@ -268,6 +269,7 @@ class Uploader:
             self._local.owed.add(job.step)
             self._jobs.append(job)
             self._submitted += 1
+            self._unadopted.append(job.step)
             if self._thread is None:
                 # Not a daemon: an interpreter that exits waits for the commit, as for saves.
                 self._thread = threading.Thread(target=self._loop, daemon=False,
@@ -285,6 +287,7 @@ class Uploader:
             self._sync_view()
             self._running = job
             self._submitted += 1
+            self._unadopted.append(job.step)
         outcome: DurableOutcome | None = None
         err: BaseException | None = None
         try:
@@ -422,7 +425,7 @@ class Uploader:
         view = self._main.view  # agreed
         newest = max(view.records, default=-1)
         mine = []
-        for s in self._local.steps:
+        for s in self._local.upload_candidates():
             if s <= newest or view.holds(s):
                 continue
             try:
@@ -461,6 +464,8 @@ class Uploader:
         with self._cond:
             taken, self._done = self._done[:n], self._done[n:]
             self._adopted += n
+            for _ in range(n):
+                self._unadopted.popleft()
         self._main.view = taken[-1].view
         for d in taken:
             if d.error is not None:
@@ -469,6 +474,33 @@ class Uploader:
                     # The local tier holds the new version, the root the old one: one step, two
                     # versions; the local copy goes (every rank alike: the failure is agreed).
                     self._local.forget(d.job.step)
+
+    def pending(self, step: int) -> bool:
+        """Whether a job of ``step`` was given and not adopted yet (alike on every rank right
+        after :meth:`adopt`, with no save in flight): the root may or may not hold that step
+        now, so a save of it waits for the job (:meth:`drain`) before it is planned."""
+        with self._cond:
+            return step in self._unadopted
+
+    def pin(self, step: int) -> bool:
+        """(the save worker, before the local write of ``step`` that the uploader will copy)
+        Keep ``step`` from local retention from now on: the local save's own retention runs
+        before :meth:`submit` and would delete a step older than the newest kept ones. Returns
+        whether it was owed already (see :meth:`unpin`)."""
+        owed = step in self._local.owed
+        self._local.owed.add(step)
+        return owed
+
+    def unpin(self, step: int, was_owed: bool) -> None:
+        """The local write :meth:`pin` prepared for failed: ``step`` is owed no more unless it
+        was before."""
+        if not was_owed:
+            self._local.owed.discard(step)
+
+    def superseded(self, step: int) -> None:
+        """(after a direct durable commit of ``step``) The failed uploads of ``step`` and older
+        steps are owed no more."""
+        self._superseded(step)
 
     def drain(self, caller: Comm) -> None:
         """(collective over ``caller``) Wait for every job on this rank, then :meth:`adopt`."""
@@ -489,9 +521,13 @@ class Uploader:
         return first.job.step, first.error
 
     def close(self) -> None:
-        """No job starts from now on (one in flight ends on its own); the group is the caller's
-        to destroy."""
+        """No job starts from now on; waits for the one in flight (its group is destroyed next,
+        by the caller, and the writer lease released: neither may go from under it). Normally
+        nothing runs by now (``close()`` drained first); a constructor that failed, or a join
+        that raised before it drained, may leave one."""
         with self._cond:
             self._closed = True
             self._jobs.clear()
             self._cond.notify_all()
+            while self._running is not None:
+                self._cond.wait()

@@ -234,6 +234,11 @@ class Lifecycle(RuleBasedStateMachine):
         self.proc = Process(self.durable_url)
         with self.env.tap.process(self.proc):
             mgr = CheckpointManager(self.root, c["save_interval"], **kw)
+            # A local step due on the durable tier and missing there (a crash interrupted its
+            # upload, or the durable write after it) is uploaded in the background at
+            # construction (docs/multitier.md): it ends first, so the root is what the model
+            # resolves (the crashed save's step may then be committed).
+            mgr.join()
         # A new local tier verifies every local step: damaged and wiped ones are gone.
         self.damaged, self.wiped, self.maybe_listed = {}, set(), set()
         self.given = None
@@ -422,7 +427,10 @@ class Lifecycle(RuleBasedStateMachine):
     def restore(self, data: Any) -> None:
         """Restore a random listed step (sometimes one that is not listed)."""
         assert self.writer is not None
-        self._settle()
+        # What is listed is drawn from: the background work (the save in flight, durable copies
+        # made from local steps) ends first, as restore() waits for it anyway, so the draw never
+        # depends on its timing (hypothesis replays a sequence only when it is deterministic).
+        self._quiesce()
         listed = self.writer.all_steps()
         if listed and data.draw(st.integers(0, 5), label="listed?") > 0:
             step = int(data.draw(st.sampled_from(listed), label="step"))
@@ -619,6 +627,52 @@ class Lifecycle(RuleBasedStateMachine):
             gate_b.open()
         b.join()
         self._apply(eb)
+
+    @precondition(lambda self: _on("take_over_during_upload") and self.writer is not None
+                  and self.cfg["local_interval"] is not None)
+    @rule(data=st.data())
+    def take_over_during_upload(self, data: Any) -> None:
+        """Issue 29 item 2: writer A's save_async of a step due on both tiers commits locally;
+        its durable copy (made from the local files in the background) is held before it
+        begins; B takes the root and the node's local directory over, finds the step owed and
+        uploads it at construction; then A's copy goes on and must change nothing (fenced)."""
+        assert self.writer is not None
+        self._quiesce()
+        a = self.writer
+        step = self._next_step()
+        while step % self.cfg["save_interval"] or step % self.cfg["local_interval"] or (
+                step == FOREIGN_STEP):
+            step += 1
+        e = self._expect(step, False, data)
+        assert e.durable == "new" and e.local, e
+        uploads = a._uploads
+        assert uploads is not None, "a writer with a local tier makes durable copies"
+        gate = _faulty.Gate()
+        real = uploads._try
+
+        def held(job: Any) -> Any:  # the uploader thread, before it plans the copy
+            gate.pass_()
+            return real(job)
+
+        setattr(uploads, "_try", held)  # noqa: B010 (an instance attribute over the method)
+        try:
+            self._note_given(e, True)
+            assert self._save(a, e, asynchronous=True, force=False)
+            gate.wait_arrived()  # A's local step is committed; its durable copy not begun
+            self.writer = self._open(take_over=True)  # uploads the owed step, joined
+            self._apply(e)
+            before = self._snap()
+            gate.open()
+            try:
+                a.join()
+            except CkptmgrError as err:  # being told of the lost lease is fine
+                assert isinstance(err, (LeaseError, AsyncSaveError)) and "lease" in str(err), err
+            self._same_files(before, f"after writer A (fenced) finished its copy of {step}")
+            with self._quiet_close():
+                a.close()
+            self._same_files(before, "after writer A (fenced) closed")
+        finally:
+            gate.open()
 
     @precondition(lambda self: _on("open_reader") and self.writer is not None)
     @rule()

@@ -192,7 +192,7 @@ def test_upload_interrupted_by_node_loss(cluster: Cluster, tmp_path: Path) -> No
     run = uuid.uuid4().hex
     fault = _hold_uploads(cluster, run, 4)
     spec = _spec(run, saves=[0, 2, 4], version=1, async_save=True)
-    spec["manager"]["save_interval"] = 4  # step 4 is due on both tiers: local, then durable
+    spec["manager"]["save_interval"] = 4  # step 4 is due on both tiers: uploaded from local
     job = cluster.start(spec, tmp_path / "first")
     try:
         assert fault.arrived.wait(60), "the upload of step 4 never started"
@@ -210,8 +210,8 @@ def test_upload_interrupted_by_node_loss(cluster: Cluster, tmp_path: Path) -> No
     assert (step, version, tier) in {(4, 1, "local"), (2, 1, "local"), (0, 1, "durable")}, (
         step, version, tier)
     final = second[0]["final"]["tiers"]
-    # The durable copy of step 4 is whole or absent: a fresh job with an empty local tier reads
-    # it whole from the durable tier.
+    # The durable copy of step 4: uploaded after the restart (from the local files) or absent;
+    # a fresh job with an empty local tier reads it whole from the durable tier.
     if "durable" in final.get("4", []):
         spec = _spec(run, restore=4, version=3, local_sub=uuid.uuid4().hex)
         spec["manager"]["save_interval"] = 4
@@ -227,7 +227,7 @@ def test_upload_interrupted_by_job_kill_resumes_after_restart(cluster: Cluster,
     spec["manager"]["save_interval"] = 4
     job = cluster.start(spec, tmp_path / "first")
     try:
-        assert fault.arrived.wait(60), "the durable save of step 4 never started"
+        assert fault.arrived.wait(60), "the upload of step 4 never started"
     finally:
         job.close()  # every rank killed, every node (and disk) kept
         assert fault.hold is not None
@@ -235,11 +235,11 @@ def test_upload_interrupted_by_job_kill_resumes_after_restart(cluster: Cluster,
     spec = _spec(run, restore="latest", version=2)
     spec["manager"]["save_interval"] = 4
     second = cluster.run(spec, tmp_path / "second")
-    # The local step committed before the durable save began: it resumes, whole; the durable
-    # tier never holds a part of the interrupted save.
     assert _restored(second) == (4, 1, "local")
-    assert all(r["final"]["tiers"]["4"] == ["local"] for r in second.values()), second
-    spec = _spec(run, restore="latest", version=3, local_sub=uuid.uuid4().hex)
+    # The owed upload ran again after the restart, from the local files: the durable tier holds
+    # step 4 once the job waited for it, whole and of the same save.
+    assert all(r["final"]["tiers"]["4"] == ["durable", "local"] for r in second.values()), second
+    spec = _spec(run, restore=4, version=3, local_sub=uuid.uuid4().hex)
     spec["manager"]["save_interval"] = 4
     third = cluster.run(spec, tmp_path / "third")
-    assert _restored(third) == (0, 1, "durable")
+    assert _restored(third) == (4, 1, "durable")
