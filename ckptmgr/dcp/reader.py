@@ -64,7 +64,12 @@ DEFAULT_NUM_THREADS = 1
 """Read streams per rank when the caller does not choose. One: in 7 interleaved cold restores of
 1 GiB here it took 0.74 s (median; 0.83x the read floor) at 0.43 s of CPU, two streams 1.28 s at
 0.87 s of CPU (docs/performance.md); the kernel's readahead keeps the disk busy while it hashes."""
-_BATCH = 16 << 20  # bytes per vectored read (2 streams x 16 MiB: as fast or faster than 4 MiB here)
+# Bytes per vectored read. 4 MiB: a cold restore of 1 GiB (816 tensors, one stream, files without
+# padding) took 0.75x the time of 16 MiB reads (median of 10 interleaved pairs, quiet machine):
+# smaller reads return sooner to be hashed while the kernel's readahead (8 MiB here) keeps the
+# disk busy. 16 MiB was chosen with two streams, when direct-written files had padding before
+# each large item and reads were one item (~2.5 MiB) long anyway (docs/performance.md).
+_BATCH = 4 << 20
 _BATCH_ITEMS = 256
 _MIN_STREAM_BYTES = 64 << 20
 _MAX_BUFFERED = 512 << 20  # bytes of staging buffers held at once for non-direct destinations
