@@ -12,7 +12,7 @@ Call order (DCP's, per restore):
    calling thread, resolve every tensor item's destination: the tensor itself when it is a whole
    contiguous CPU tensor of the stored dtype, else a buffer that is narrowed and copied afterwards.
    The reads, sorted by file and offset, are cut into ``num_threads`` runs of about equal bytes;
-   each run's thread reads adjacent items with one ``preadv`` per 16 MiB (scattering into the
+   each run's thread reads adjacent items with one ``preadv`` per 4 MiB (scattering into the
    destinations) and checksums each piece while it is in cache. Destinations are committed to the
    planner on the calling thread, in order, once every read of a window succeeded. Buffered
    destinations are bounded: at most 512 MiB of buffers are held at once (a window).
