@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import time
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -527,33 +527,22 @@ def test_check_json_depth_is_fast_on_large_and_hostile_input() -> None:
     assert _rejects(large, 64) and not _rejects(large, 65)
 
 
-def test_direct_buffer_size_bounds_the_extra_memory() -> None:
-    """Copying every item (the default): six buffers of 1/64 of the file, 4-64 MiB each."""
+@pytest.mark.parametrize(("copy_all", "nbuf", "div", "least", "mib_for_file_mib"), [
+    (True, 6, 64, 4, {0: 4, 256: 4, 1024: 16, 4096: 64, 102400: 64}),  # the default
+    (False, 3, 32, 8, {0: 8, 256: 8, 1024: 32, 2048: 64, 102400: 64}),
+])
+def test_direct_buffer_size_bounds_the_extra_memory(
+        monkeypatch: pytest.MonkeyPatch, copy_all: bool, nbuf: int, div: int, least: int,
+        mib_for_file_mib: dict[int, int]) -> None:
+    """Copying every item (the default): six buffers of 1/64 of the file, 4-64 MiB each, under
+    ~10% of a large file and 384 MiB; else three of 1/32, 8-64 MiB."""
+    monkeypatch.setattr(local, "COPY_ALL", copy_all)
+    assert (local._COPY_NBUF if copy_all else local._DIRECT_NBUF) == nbuf
     mib = 1 << 20
-    assert local.COPY_ALL and local._COPY_NBUF == 6
     assert local.direct_buffer_size(None) == local._DIRECT_BUF == 64 * mib
-    assert local.direct_buffer_size(0) == 4 * mib
-    assert local.direct_buffer_size(256 * mib) == 4 * mib
-    assert local.direct_buffer_size(1 << 30) == 16 * mib
-    assert local.direct_buffer_size(4 << 30) == 64 * mib
+    for file_mib, buf_mib in mib_for_file_mib.items():
+        assert local.direct_buffer_size(file_mib * mib) == buf_mib * mib, file_mib
     for size in (1, 300 * mib + 7, 5 << 30):
         buf = local.direct_buffer_size(size)
         assert buf % 4096 == 0
-        # six buffers: at most ~10% of a large file, never more than 384 MiB
-        assert 6 * buf <= max(6 * 4 * mib, size * 6 / 64 + 6 * mib)
-
-
-def test_direct_buffer_size_without_copying(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(local, "COPY_ALL", False)
-    mib = 1 << 20
-    assert local.direct_buffer_size(None) == local._DIRECT_BUF == 64 * mib
-    assert local.direct_buffer_size(0) == 8 * mib
-    assert local.direct_buffer_size(256 * mib) == 8 * mib
-    assert local.direct_buffer_size(1 << 30) == 32 * mib
-    assert local.direct_buffer_size(2 << 30) == 64 * mib
-    assert local.direct_buffer_size(100 << 30) == 64 * mib
-    for size in (1, 300 * mib + 7, 5 << 30):
-        buf = local.direct_buffer_size(size)
-        assert buf % 4096 == 0
-        # three buffers: at most ~9% of a large file, never more than 192 MiB
-        assert 3 * buf <= max(3 * 8 * mib, size * 3 / 32 + 3 * mib)
+        assert nbuf * buf <= max(nbuf * least * mib, size * nbuf / div + nbuf * mib)
