@@ -135,7 +135,8 @@ class _BouncePool:
                 self._idle.setdefault(len(m), []).append(m)
                 self._idle_bytes += len(m)
                 return
-        m.close()
+        with contextlib.suppress(BufferError):  # still exported: unmapped when garbage
+            m.close()
 
 
 _BOUNCE_POOL = _BouncePool()
@@ -421,7 +422,7 @@ def _write_aligned(fd: int, mv: memoryview) -> None:
 def direct_buffer_size(size_hint: int | None) -> int:
     """Bytes per direct-I/O buffer for a file of about ``size_hint`` bytes (None: the largest):
     1/(``_COPY_DIV`` when every item is copied, else 32) of it, rounded up to whole MiB, between
-    ``_DIRECT_BUF_MIN`` and ``_DIRECT_BUF``."""
+    ``_COPY_BUF_MIN`` (else ``_DIRECT_BUF_MIN``) and ``_DIRECT_BUF``."""
     if size_hint is None:
         return _DIRECT_BUF
     mib = 1 << 20
@@ -576,7 +577,9 @@ class _DirectWriter:
                 if self._error is None:
                     self._pwrite(view, offset)
             except OSError as e:
-                self._error = self._error or e
+                # Without its traceback: the frames would keep this write's view of a bounce
+                # buffer exported after the buffer went back to the pool.
+                self._error = self._error or e.with_traceback(None)
             finally:
                 del view, item, _keep
                 if buf >= 0:
@@ -611,11 +614,14 @@ class _DirectWriter:
         self._threads = []
 
     def _release(self) -> None:
-        for v in self._views:
+        """Hand the bounce buffers back to the pool, once (abort after a failed commit calls it
+        again: a buffer given twice would reach two writers)."""
+        views, self._views = self._views, []
+        maps, self._maps = self._maps, []
+        for v in views:
             v.release()
-        for m in self._maps:
+        for m in maps:
             _BOUNCE_POOL.give(m)
-        self._views, self._maps = [], []
 
     def commit(self) -> None:
         """Write the rest (padded to the block size, then truncated), fsync and close."""

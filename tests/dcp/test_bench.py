@@ -373,6 +373,51 @@ def test_direct_writer_io_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert not (tmp_path / "f").exists()
 
 
+@pytest.mark.parametrize("room", [1, 64])
+def test_failed_commit_hands_each_bounce_buffer_back_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, room: int) -> None:
+    """A write that fails at commit, then the writer's second abort (as dcp/writer does): no
+    buffer is pooled twice or closed in the pool, the abort raises nothing, and the next files
+    get whole, distinct buffers (``room``: idle buffers the pool may keep)."""
+    if not _direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    bufsize = 65536
+    monkeypatch.setattr(local, "_DIRECT_BUF", bufsize)
+    monkeypatch.setattr(local, "_POOL_IDLE_MAX", room * bufsize)
+    pool = local._BouncePool()
+    monkeypatch.setattr(local, "_BOUNCE_POOL", pool)
+    real = os.pwrite
+    fail = {"on": True}
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        if fail["on"] and offset >= 4 * bufsize:  # the file's last (padded) write, at commit
+            raise OSError(28, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(local.os, "pwrite", pwrite)
+    storage = LocalStorage(str(tmp_path))
+    w = storage.open_writer("f", size_hint=4 * bufsize + 100)
+    assert isinstance(w, local._DirectWriter)
+    with pytest.raises(StorageError, match="No space left"):
+        w.write(b"a" * (4 * bufsize + 100))
+        w.commit()
+    w.abort()  # again: must neither raise nor give the buffers back a second time
+    idle = [m for ms in pool._idle.values() for m in ms]
+    assert len({id(m) for m in idle}) == len(idle) <= room
+    assert not any(m.closed for m in idle)
+    fail["on"] = False
+    a = storage.open_writer("a", size_hint=4 * bufsize)
+    b = storage.open_writer("b", size_hint=4 * bufsize)
+    assert isinstance(a, local._DirectWriter) and isinstance(b, local._DirectWriter)
+    assert not {id(m) for m in a._maps} & {id(m) for m in b._maps}
+    a.write(b"A" * (4 * bufsize))
+    b.write(b"B" * (4 * bufsize))
+    a.commit()
+    b.commit()
+    assert storage.read_bytes("a") == b"A" * (4 * bufsize)
+    assert storage.read_bytes("b") == b"B" * (4 * bufsize)
+
+
 def test_benchmark_end_to_end(tmp_path: Path) -> None:
     bench = _bench()
     out = tmp_path / "out"
