@@ -15,6 +15,7 @@ hanging on an idle thread.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import logging
@@ -69,7 +70,8 @@ def _huge_page_buffers(specs: list[tuple[tuple[int, ...], torch.dtype]]
         offsets.append(total)
         total += -(-n // _PAGE) * _PAGE
     m = mmap.mmap(-1, max(total, _PAGE) + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    m.madvise(mmap.MADV_HUGEPAGE)
+    with contextlib.suppress(OSError):  # advice only: refused (some sandboxes), 4 KiB pages
+        m.madvise(mmap.MADV_HUGEPAGE)
     base = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
     start = -base.data_ptr() % _HUGE
     return [base[start + off:start + off + n].view(dt).view(shape)
@@ -98,6 +100,9 @@ class Stager:
         # Sharded tensors: one buffer per distinct box (replicas are not copied).
         self._shard_buffers: dict[str, dict[Any, torch.Tensor]] = {}
         self._streams: dict[int, Any] = {}  # CUDA device index -> side stream (made once)
+        # Huge-page staging: the mapping (its address) each buffer lies in, and its bytes.
+        self._huge_of: dict[str, int] = {}
+        self._huge_size: dict[int, int] = {}
         self.last_staged_bytes = 0
 
     def take_retired(self) -> list[int]:
@@ -123,6 +128,8 @@ class Stager:
         """Drop every buffer."""
         self._buffers.clear()
         self._pinned.clear()
+        self._huge_of.clear()
+        self._huge_size.clear()
         self._shard_buffers.clear()
         self._streams.clear()
         if self.arenas is not None:
@@ -135,18 +142,34 @@ class Stager:
 
     def _allocate_huge(self, flat: Mapping[str, Any]) -> None:
         """(thread mode) One huge-page mapping for every plain CPU tensor whose buffer is
-        missing or changed (:func:`_huge_page_buffers`)."""
-        keys, specs = [], []
+        missing or changed (:func:`_huge_page_buffers`); for all of them instead when the
+        mappings that unchanged keys keep alive would hold more than a quarter more than the
+        state (a mapping is freed only once none of its buffers is in use, so replacing
+        shifting subsets of keys would otherwise pile mappings up)."""
+        plain = {}
         for key, value in flat.items():
             src = value.to_local() if isinstance(value, DTensor) else value
-            if isinstance(src, torch.Tensor) and _plain_cpu(src) and self._stale(key, src):
-                keys.append(key)
-                specs.append((tuple(src.shape), src.dtype))
-        bufs = _huge_page_buffers(specs) if specs else None
-        if bufs is not None:
-            for key, buf in zip(keys, bufs, strict=True):
-                self._buffers[key] = buf
-                self._pinned.discard(key)
+            if isinstance(src, torch.Tensor) and _plain_cpu(src):
+                plain[key] = src
+        stale = [k for k, src in plain.items() if self._stale(k, src)]
+        if not stale:
+            return
+        kept = {self._huge_of[k] for k in plain if k not in stale and k in self._huge_of}
+        held = sum(self._huge_size[m] for m in kept)
+        live = sum(_nbytes(src) for src in plain.values())
+        if held + sum(_nbytes(plain[k]) for k in stale) > live * 5 // 4 + _HUGE:
+            stale = list(plain)
+        bufs = _huge_page_buffers([(tuple(plain[k].shape), plain[k].dtype) for k in stale])
+        if bufs is None:
+            return
+        mapping = bufs[0].untyped_storage().data_ptr() if bufs else 0
+        for key, buf in zip(stale, bufs, strict=True):
+            self._buffers[key] = buf
+            self._pinned.discard(key)
+            self._huge_of[key] = mapping
+        self._huge_size[mapping] = sum(_nbytes(b) for b in bufs)
+        used = set(self._huge_of.values())
+        self._huge_size = {m: n for m, n in self._huge_size.items() if m in used}
 
     def _buffer(self, key: str, src: torch.Tensor) -> torch.Tensor:
         if self._stale(key, src):
@@ -259,6 +282,7 @@ class Stager:
     def _drop(self, key: str) -> None:
         self._buffers.pop(key, None)
         self._pinned.discard(key)
+        self._huge_of.pop(key, None)
 
 
 _MOVE_CHUNK = 16 << 20  # a large tensor is copied in pieces, so that threads can share it

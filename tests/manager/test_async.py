@@ -258,3 +258,33 @@ def test_staging_buffers_lie_in_huge_pages_and_are_reused(monkeypatch: pytest.Mo
     ordinary = _async.Stager().stage({"w": dense})
     assert torch.equal(ordinary["w"], dense)
     assert "hg" not in vma_flags(ordinary["w"].data_ptr())
+
+
+def test_huge_page_staging_stays_bounded_when_key_subsets_change() -> None:
+    """Replacing shifting subsets of keys (save i changes every key but the first i) never keeps
+    alive more than a quarter more mapped memory than the state, and one small key that grows
+    at every save is staged alone (the rest keeps its buffers)."""
+    from ckptmgr import _async
+
+    n, numel = 8, 1 << 18  # 8 keys of 1 MiB
+
+    def held(out: dict[str, Any]) -> int:
+        """Bytes of the mappings the buffers keep alive (less each one's 2 MiB alignment slack,
+        never touched)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in out.values()}
+        return sum(nbytes - _async._HUGE for nbytes in storages.values())
+
+    stager = _async.Stager()
+    for i in range(n):
+        flat = {f"k{j}": torch.randn(numel + (0 if j < i else i + 1)) for j in range(n)}
+        out = stager.stage(flat)
+        live = sum(t.numel() * t.element_size() for t in out.values())
+        assert all(torch.equal(out[k], flat[k]) for k in flat)
+        assert held(out) <= live * 5 // 4 + _async._HUGE + n * 4096, (i, held(out), live)
+    ptrs = {k: out[k].data_ptr() for k in out}
+    for step in range(3):
+        grown = {**flat, "k0": torch.randn(numel + 100 + step)}
+        again = stager.stage(grown)
+        assert all(again[k].data_ptr() == ptrs[k] for k in ptrs if k != "k0")
+        assert torch.equal(again["k0"], grown["k0"])
