@@ -73,3 +73,16 @@ def test_nested_and_threads(collector_on: None) -> None:
     leave.set()
     t.join()
     assert gc.isenabled()
+
+
+def test_child_forked_during_a_pause_collects(collector_on: None) -> None:
+    import os
+
+    with gc_paused():
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if gc.isenabled() else 1)
+        assert not gc.isenabled()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()
