@@ -130,13 +130,24 @@ class _BouncePool:
         return m
 
     def give(self, m: mmap.mmap) -> None:
+        """Keep ``m`` for the next file; idle buffers of other sizes make room first (file
+        sizes drift: the newest size is the likeliest next), and what does not fit is unmapped."""
+        drop = []
         with self._lock:
+            for size in [n for n in self._idle if n != len(m)]:
+                while self._idle[size] and self._idle_bytes + len(m) > _POOL_IDLE_MAX:
+                    drop.append(self._idle[size].pop())
+                    self._idle_bytes -= size
+                if not self._idle[size]:
+                    del self._idle[size]
             if self._idle_bytes + len(m) <= _POOL_IDLE_MAX:
                 self._idle.setdefault(len(m), []).append(m)
                 self._idle_bytes += len(m)
-                return
-        with contextlib.suppress(BufferError):  # still exported: unmapped when garbage
-            m.close()
+            else:
+                drop.append(m)
+        for d in drop:
+            with contextlib.suppress(BufferError):  # still exported: unmapped when garbage
+                d.close()
 
 
 _BOUNCE_POOL = _BouncePool()
