@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from ckptmgr._shm import ArenaSet
+from ckptmgr._shm import ALIGN, ArenaSet, pack
 from ckptmgr.dcp.shards import ShardedTensor, StagedDTensor, StagedShards
 
 __all__ = ["SaveQueue", "Stager"]
@@ -42,7 +42,6 @@ log = logging.getLogger("ckptmgr")
 # requests and pins 512x fewer pages.
 HUGE_PAGES = True
 _HUGE = 2 << 20
-_PAGE = 4096
 
 
 def _thp_enabled() -> bool:
@@ -63,13 +62,8 @@ def _huge_page_buffers(specs: list[tuple[tuple[int, ...], torch.dtype]]
     mapping advised to use huge pages; None where the kernel has none."""
     if not _THP:
         return None
-    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-             for shape, dt in specs]
-    offsets, total = [], 0
-    for n in sizes:
-        offsets.append(total)
-        total += -(-n // _PAGE) * _PAGE
-    m = mmap.mmap(-1, max(total, _PAGE) + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    offsets, sizes, total = pack(specs)
+    m = mmap.mmap(-1, max(total, ALIGN) + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     with contextlib.suppress(OSError):  # advice only: refused (some sandboxes), 4 KiB pages
         m.madvise(mmap.MADV_HUGEPAGE)
     base = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
@@ -162,7 +156,7 @@ class Stager:
         bufs = _huge_page_buffers([(tuple(plain[k].shape), plain[k].dtype) for k in stale])
         if bufs is None:
             return
-        mapping = bufs[0].untyped_storage().data_ptr() if bufs else 0
+        mapping = bufs[0].untyped_storage().data_ptr()
         for key, buf in zip(stale, bufs, strict=True):
             self._buffers[key] = buf
             self._pinned.discard(key)

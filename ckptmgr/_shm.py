@@ -28,7 +28,8 @@ import torch
 
 from ckptmgr.errors import ConfigError
 
-__all__ = ["ALIGN", "Arena", "ArenaSet", "ShmTensor", "attach", "require_shared_staging", "view"]
+__all__ = ["ALIGN", "Arena", "ArenaSet", "ShmTensor", "attach", "pack", "require_shared_staging",
+           "view"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -112,6 +113,18 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def pack(specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[int], list[int], int]:
+    """Buffers of the given shapes and dtypes laid out one after another in one block, each
+    starting on a page: their byte offsets, their byte sizes and the block's size."""
+    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
+             for shape, dt in specs]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += _aligned(n)
+    return offsets, sizes, total
+
+
 class ArenaSet:
     """The arenas of one training process's staging buffers (used by one thread).
 
@@ -131,12 +144,7 @@ class ArenaSet:
 
     def allocate(self, specs: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
         """Buffers of the given shapes and dtypes, all views of one new arena."""
-        sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dt).element_size()
-                 for shape, dt in specs]
-        offsets, total = [], 0
-        for n in sizes:
-            offsets.append(total)
-            total += _aligned(n)
+        offsets, _, total = pack(specs)
         arena = Arena(total)
         self._arenas[arena.id] = arena
         self._by_ptr[arena.base.untyped_storage().data_ptr()] = arena
