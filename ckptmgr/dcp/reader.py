@@ -12,9 +12,11 @@ Call order (DCP's, per restore):
    calling thread, resolve every tensor item's destination: the tensor itself when it is a whole
    contiguous CPU tensor of the stored dtype, else a buffer that is narrowed and copied afterwards.
    The reads, sorted by file and offset, are cut into ``num_threads`` runs of about equal bytes;
-   each run's thread reads adjacent items with one ``preadv`` per 4 MiB (scattering into the
-   destinations) and checksums each piece while it is in cache. Destinations are committed to the
-   planner on the calling thread, in order, once every read of a window succeeded. Buffered
+   each run's thread has a storage that streams (``StreamReads``: large reads of local files not
+   in the page cache, read ahead with direct I/O) fill the destinations and checksums each item
+   as it completes, or else reads adjacent items with one ``preadv`` per 4 MiB (scattering into
+   the destinations) and checksums each piece while it is in cache. Destinations are committed
+   to the planner on the calling thread, in order, once every read of a window succeeded. Buffered
    destinations are bounded: at most 512 MiB of buffers are held at once (a window).
    Python values go to our load planners decoded (``load_value``); any other planner (DCP's
    ``DefaultLoadPlanner``) gets them as bytes it can load (``load_bytes``): ``torch.save`` of the
@@ -56,7 +58,14 @@ from ckptmgr.errors import (
     UnsafeCheckpointError,
 )
 from ckptmgr.step_store import StepStore
-from ckptmgr.storage import RangeReads, Storage, is_url_supported, open_storage, redact_url
+from ckptmgr.storage import (
+    RangeReads,
+    Storage,
+    StreamReads,
+    is_url_supported,
+    open_storage,
+    redact_url,
+)
 
 __all__ = ["DEFAULT_NUM_THREADS", "CkptStorageReader"]
 
@@ -449,8 +458,44 @@ class CkptStorageReader(StorageReader):
                 planner.commit_tensor(ri, target)
 
     def _read_run(self, reads: list[_TensorRead], stop: threading.Event) -> None:
-        """(stream thread) Read one run: adjacent items of a file in one vectored read per
-        _BATCH bytes; each piece is checksummed right after it lands."""
+        """(stream thread) Read one run: each stretch of items in one storage streamed by it
+        when it can (:class:`StreamReads`: local files not in the page cache), else in vectored
+        reads (:meth:`_read_batched`)."""
+        i = 0
+        while i < len(reads):
+            storage = self._locate(reads[i].loc.file)[0]
+            j = i + 1
+            while j < len(reads) and self._locate(reads[j].loc.file)[0] is storage:
+                j += 1
+            if not (isinstance(storage, StreamReads) and self._stream(storage, reads[i:j], stop)):
+                self._read_batched(reads[i:j], stop)
+            i = j
+
+    def _stream(self, storage: StreamReads, reads: list[_TensorRead],
+                stop: threading.Event) -> bool:
+        """(stream thread) Read ``reads`` as one stream of ``storage``, checksumming each item
+        as it completes; False when the storage declines (nothing was read)."""
+        views = [tensor_memoryview(r.dest) for r in reads]
+        stream = storage.stream_into([(self._locate(r.loc.file)[1], r.loc.offset, v)
+                                      for r, v in zip(reads, views, strict=True)])
+        if stream is None:
+            return False
+        try:
+            for k in stream:
+                if stop.is_set():
+                    raise Stopped
+                r = reads[k]
+                if self.verify:
+                    r.ok = checksum(views[k]) == r.loc.checksum
+        finally:
+            close = getattr(stream, "close", None)  # a generator: stops its I/O threads now
+            if close is not None:
+                close()
+        return True
+
+    def _read_batched(self, reads: list[_TensorRead], stop: threading.Event) -> None:
+        """(stream thread) Read adjacent items of a file in one vectored read per _BATCH bytes;
+        each piece is checksummed right after it lands."""
         readers: dict[str, _RangeReader] = {}
         # (read, view of its destination) pieces of the batch being built; they are adjacent.
         batch: list[tuple[_TensorRead, memoryview, bool]] = []

@@ -3,8 +3,9 @@
 ``Storage`` is what every backend has (local disk and object stores alike). What only some have is
 an optional capability, a protocol of its own checked with ``isinstance`` (never by probing for a
 method): :class:`AtomicRename` (POSIX directories), :class:`RangeReads` (an open file read by
-ranges) and, on the writers, :class:`VectoredWriter`. A wrapper around a storage declares exactly
-the capabilities of what it wraps (``tests/_faulty.py`` shows how), so a check never finds a method
+ranges), :class:`StreamReads` (many ranges streamed in order, read ahead by the storage) and, on
+the writers, :class:`VectoredWriter`. A wrapper around a storage declares exactly the
+capabilities of what it wraps (``tests/_faulty.py`` shows how), so a check never finds a method
 that would fail.
 
 Paths are ``str`` relative to the storage root, '/'-separated (``pathlib`` would mangle ``gs://``).
@@ -14,7 +15,7 @@ exception as ``__cause__``; nothing else escapes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -26,6 +27,7 @@ __all__ = [
     "RangeReader",
     "RangeReads",
     "RootEntry",
+    "StreamReads",
     "Storage",
     "StorageWriter",
     "VectoredWriter",
@@ -163,3 +165,20 @@ class RangeReads(Storage, Protocol):
 
     def open_reader(self, path: str) -> RangeReader:
         """``path`` opened for range reads."""
+
+
+@runtime_checkable
+class StreamReads(Storage, Protocol):
+    """Capability: many ranges, of one or more files, read ahead by the storage and delivered in
+    order (local files: direct reads into huge-page buffers, ``ckptmgr/storage/_stream.py``)."""
+
+    def stream_into(self, requests: Sequence[tuple[str, int, memoryview]]
+                    ) -> Iterator[int] | None:
+        """Fill each ``(path, offset, buffer)`` request's buffer with the file's bytes from
+        ``offset`` on, yielding each request's index once its buffer is whole, in order; None
+        when the storage would not read these faster than :class:`RangeReads` does (the caller
+        reads them that way). Close the iterator when stopping early.
+
+        Raises:
+            StorageError: (while iterating) a read failed or a file ends early.
+        """

@@ -26,7 +26,10 @@ the median of the last ``_RECENT``; direct on a tie within 5%, for its lower CPU
 page cache), and every ``_EXPLORE_EVERY``-th one takes the other path, so a disk that changed is
 noticed. Nothing is written to measure (no probe file): the checkpoints' own files are the
 measurement. Smaller files take the path chosen so far.
-Readers use ``preadv`` to scatter one contiguous file range into several destination buffers.
+Readers use ``preadv`` to scatter one contiguous file range into several destination buffers;
+a large read of files not in the page cache is streamed instead (``stream_into``): direct reads of
+8 MiB blocks into huge-page buffers, read ahead by two I/O threads and copied into the caller's
+buffers (``ckptmgr/storage/_stream.py``; ``DIRECT_READ``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ckptmgr.errors import StorageError
+from ckptmgr.storage._stream import StreamEOF, resident_share, stream_into
 from ckptmgr.storage.base import RootEntry
 
 __all__ = ["LocalReader", "LocalStorage", "open_regular"]
@@ -66,6 +70,13 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 DIRECT_IO: bool | None = None
 """The byte path of local files: None (default) chooses by measurement (module docstring); True
 writes with ``O_DIRECT`` wherever the file system takes it; False never does (tests, A/B runs)."""
+DIRECT_READ: bool | None = None
+"""Large reads (``stream_into``): None (default) streams them with direct reads when they total
+at least ``_STREAM_MIN`` bytes and most of their pages are not in the page cache; True streams
+every read the caller offers (tests, A/B runs); False never does (buffered ``preadv``)."""
+# Below this a restore is a few reads whose latency, not the page cache's CPU, is the cost.
+_STREAM_MIN = 32 * 1024 * 1024
+_RESIDENT_PROBES = 8  # pages looked up (mincore) to tell a cold read from a warm one
 # Files this large are timed and take part in the choice; smaller ones are dominated by fixed costs
 # (open, fsync, the host's write cache) and say little about streaming speed.
 _MEASURE_MIN = 64 * 1024 * 1024
@@ -672,16 +683,16 @@ class _DirectWriter:
             self._release()
 
 
-def open_regular(path: str) -> int:
-    """Open ``path`` for reading if it is a regular file; never blocks (a FIFO opened for
-    reading waits for a writer; with O_NONBLOCK it opens at once and is refused here) and never
-    follows a symbolic link.
+def open_regular(path: str, flags: int = 0) -> int:
+    """Open ``path`` for reading (with the extra ``flags``) if it is a regular file; never
+    blocks (a FIFO opened for reading waits for a writer; with O_NONBLOCK it opens at once and is
+    refused here) and never follows a symbolic link.
 
     Raises:
         OSError: it is missing, a link, or not a regular file (a FIFO, device, socket,
             directory).
     """
-    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | flags)
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -857,6 +868,56 @@ class LocalStorage:
     def open_reader(self, path: str) -> LocalReader:
         """``path`` opened for repeated range reads (close it, or use it as a context manager)."""
         return LocalReader(self, path)
+
+    def stream_into(self, requests: Sequence[tuple[str, int, memoryview]]
+                    ) -> Iterator[int] | None:
+        """Stream ``requests`` with direct reads (:class:`~ckptmgr.storage.base.StreamReads`;
+        module docstring); None when ``DIRECT_READ`` and the requests say buffered reads are
+        better: ``O_DIRECT`` refused here, under ``_STREAM_MIN`` bytes, or mostly cached."""
+        if DIRECT_READ is False or not _O_DIRECT or not requests:
+            return None
+        if DIRECT_READ is None:
+            total = sum(len(b) for _, _, b in requests)
+            if total < _STREAM_MIN:
+                return None
+            # Pages at evenly spaced bytes of the requests: a read of cached pages is a copy,
+            # which a direct read would replace by a trip to the disk.
+            points: list[tuple[str, int]] = []
+            step, pos, k = total / _RESIDENT_PROBES, 0, 0
+            for path, offset, buf in requests:
+                while k < _RESIDENT_PROBES and k * step < pos + len(buf):
+                    points.append((self.abspath(path), offset + max(0, int(k * step) - pos)))
+                    k += 1
+                pos += len(buf)
+            share = resident_share(points)
+            if share is not None and share >= 0.5:
+                return None
+        try:  # a file system that refuses O_DIRECT (tmpfs) says so at open: read buffered
+            os.close(open_regular(self.abspath(requests[0][0]), _O_DIRECT))
+        except OSError as e:
+            if e.errno == errno.EINVAL:
+                return None
+        return self._stream(requests)
+
+    def _open_direct(self, path: str) -> int:
+        full = self.abspath(path)
+        try:
+            return open_regular(full, _O_DIRECT)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            return open_regular(full)
+
+    def _stream(self, requests: Sequence[tuple[str, int, memoryview]]) -> Iterator[int]:
+        views = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for _, _, b in requests]
+        reqs = [(p, o, v) for (p, o, _), v in zip(requests, views, strict=True)]
+        try:
+            yield from stream_into(reqs, self._open_direct, _BOUNCE_POOL)
+        except StreamEOF as e:
+            raise StorageError(f"read failed for {self.url}/{e.path}: {e}") from e
+        except OSError as e:
+            path = e.filename if isinstance(e.filename, str) else ""
+            raise StorageError(f"read failed for {self.url}/{path}: {e.strerror or e}") from e
 
     def open_writer(self, path: str,
                     size_hint: int | None = None) -> _LocalWriter | _DirectWriter:

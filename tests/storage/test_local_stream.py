@@ -1,0 +1,276 @@
+"""Streamed direct reads of local files (``LocalStorage.stream_into``, ckptmgr/storage/_stream.py):
+the bytes, the order, the ends of files, failures, early stops, and when a stream is declined."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptmgr import CheckpointManager
+from ckptmgr.errors import CorruptCheckpointError, StorageError
+from ckptmgr.storage import StreamReads, _stream, local
+from ckptmgr.storage.local import LocalStorage
+
+KIB = 1 << 10
+MIB = 1 << 20
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 64 KiB and a ring of two: every request crosses blocks and the I/O threads
+    wait for the copy, as they do for a multi-GiB restore."""
+    monkeypatch.setattr(_stream, "BLOCK", 64 * KIB)
+    monkeypatch.setattr(_stream, "_RING", 2)
+
+
+def _io_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("ckptmgr-read-io")]
+
+
+def _files(root: Path, sizes: dict[str, int], seed: int = 0) -> dict[str, bytes]:
+    rng = random.Random(seed)
+    out = {}
+    for name, n in sizes.items():
+        data = rng.randbytes(n)
+        (root / name).write_bytes(data)
+        out[name] = data
+    return out
+
+
+def _requests(files: dict[str, bytes], rng: random.Random) -> list[tuple[str, int, memoryview]]:
+    """Sorted runs of each file: adjacent, with gaps small and large, unaligned, empty ones, and
+    an overlap (a request that starts before the previous one ended)."""
+    reqs: list[tuple[str, int, memoryview]] = []
+    for name, data in files.items():
+        pos = 0
+        while pos < len(data):
+            n = min(len(data) - pos, rng.choice([0, 1, 7, 4095, 4096, 5000, 70 * KIB, 300 * KIB]))
+            reqs.append((name, pos, memoryview(bytearray(n))))
+            pos += n + rng.choice([0, 0, 0, 3, 4096, 2 * MIB])
+            if rng.random() < 0.05 and pos > 10:
+                pos -= 10  # overlaps the previous request
+    return reqs
+
+
+def test_stream_fills_every_request_in_order(tmp_path: Path, small_blocks: None,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "DIRECT_READ", True)
+    files = _files(tmp_path, {"a": 3 * MIB + 123, "b": 64 * KIB, "c": 1, "d": 5 * MIB})
+    store = LocalStorage(str(tmp_path))
+    assert isinstance(store, StreamReads)
+    for seed in range(4):
+        reqs = _requests(files, random.Random(seed))
+        if seed == 3:
+            reqs.reverse()  # any order: out-of-order requests are extents of their own
+        stream = store.stream_into(reqs)
+        assert stream is not None
+        assert list(stream) == list(range(len(reqs)))
+        for name, offset, buf in reqs:
+            assert bytes(buf) == files[name][offset:offset + len(buf)], (seed, name, offset)
+    assert _io_threads() == []
+
+
+def test_stream_into_tensor_memory_of_any_dtype(tmp_path: Path, small_blocks: None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "DIRECT_READ", True)
+    files = _files(tmp_path, {"f": 2 * MIB})
+    dests = [torch.empty(1000, dtype=torch.float32), torch.empty(333, dtype=torch.float16),
+             torch.empty(0, dtype=torch.int64), torch.empty(70000, dtype=torch.uint8)]
+    reqs = []
+    pos = 17
+    for t in dests:
+        view = memoryview(t.numpy()).cast("B") if t.numel() else memoryview(bytearray(0))
+        reqs.append(("f", pos, view))
+        pos += len(view)
+    stream = LocalStorage(str(tmp_path)).stream_into(reqs)
+    assert stream is not None and list(stream) == [0, 1, 2, 3]
+    for (_, offset, _), t in zip(reqs, dests, strict=True):
+        n = t.numel() * t.element_size()
+        assert t.numpy().tobytes() == files["f"][offset:offset + n]
+
+
+def test_file_shorter_than_a_request_is_a_storage_error(tmp_path: Path, small_blocks: None,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "DIRECT_READ", True)
+    _files(tmp_path, {"short": 100 * KIB})
+    reqs = [("short", 0, memoryview(bytearray(60 * KIB))),
+            ("short", 60 * KIB, memoryview(bytearray(60 * KIB)))]
+    stream = LocalStorage(str(tmp_path)).stream_into(reqs)
+    assert stream is not None
+    got = []
+    with pytest.raises(StorageError, match=r"short: file ends at byte 102400, wanted 122880"):
+        for k in stream:
+            got.append(k)
+    assert got == [0]  # the whole first request came before the error
+    assert _io_threads() == []
+
+
+def test_missing_file_is_a_storage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "DIRECT_READ", True)
+    _files(tmp_path, {"a": 4 * KIB})
+    reqs = [("a", 0, memoryview(bytearray(4 * KIB))), ("gone", 0, memoryview(bytearray(1)))]
+    stream = LocalStorage(str(tmp_path)).stream_into(reqs)
+    assert stream is not None
+    with pytest.raises(StorageError, match=r"read failed for .*/gone: No such file"):
+        list(stream)
+    assert _io_threads() == []
+
+
+def test_read_error_mid_stream_stops_every_thread(tmp_path: Path, small_blocks: None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EIO on the third block (a fault this disk cannot be made to produce): the consumer
+    gets a StorageError, the I/O threads end, and the ring's buffers go back to the pool."""
+    monkeypatch.setattr(local, "DIRECT_READ", True)
+    pool = local._BouncePool()
+    monkeypatch.setattr(local, "_BOUNCE_POOL", pool)
+    _files(tmp_path, {"a": 1 * MIB})
+    real = os.preadv
+    calls = []
+
+    def failing(fd: int, bufs: list[memoryview], offset: int, *flags: int) -> int:
+        calls.append(offset)
+        if offset == 2 * 64 * KIB:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, bufs, offset, *flags)
+
+    monkeypatch.setattr(_stream.os, "preadv", failing)
+    stream = LocalStorage(str(tmp_path)).stream_into([("a", 0, memoryview(bytearray(1 * MIB)))])
+    assert stream is not None
+    with pytest.raises(StorageError, match=r"read failed for .*/a: Input/output error"):
+        list(stream)
+    assert _io_threads() == []
+    assert sum(len(v) for v in pool._idle.values()) == 2  # both ring buffers are back
+    assert max(calls) < 1 * MIB  # stopped: not every block was read
+
+
+def test_closing_early_joins_the_threads(tmp_path: Path, small_blocks: None,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(local, "DIRECT_READ", True)
+    pool = local._BouncePool()
+    monkeypatch.setattr(local, "_BOUNCE_POOL", pool)
+    _files(tmp_path, {"a": 2 * MIB})
+    reqs = [("a", i * 64 * KIB, memoryview(bytearray(64 * KIB))) for i in range(32)]
+    stream = LocalStorage(str(tmp_path)).stream_into(reqs)
+    assert stream is not None
+    assert next(stream) == 0
+    assert _io_threads()  # reading ahead
+    stream.close()  # type: ignore[attr-defined]
+    assert _io_threads() == []
+    assert sum(len(v) for v in pool._idle.values()) == 2
+
+
+def test_a_read_refused_direct_is_retried_buffered(tmp_path: Path, small_blocks: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file system that takes O_DIRECT at open but refuses a read (EINVAL): that file is read
+    buffered from there on, with the same bytes."""
+    monkeypatch.setattr(local, "DIRECT_READ", True)
+    files = _files(tmp_path, {"a": 300 * KIB})
+    real = os.preadv
+    refused = []
+
+    def picky(fd: int, bufs: list[memoryview], offset: int, *flags: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & local._O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, offset, *flags)
+
+    monkeypatch.setattr(_stream.os, "preadv", picky)
+    buf = memoryview(bytearray(300 * KIB))
+    stream = LocalStorage(str(tmp_path)).stream_into([("a", 0, buf)])
+    assert stream is not None and list(stream) == [0]
+    assert bytes(buf) == files["a"]
+    assert 1 <= len(refused) <= 2  # each I/O thread may meet the refusal once
+
+
+def test_declined_when_small_cached_or_switched_off(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    store = LocalStorage(str(tmp_path))
+    big = local._STREAM_MIN
+    _files(tmp_path, {"big": big, "small": 4 * KIB})
+    req = [("big", 0, memoryview(bytearray(big)))]
+    monkeypatch.setattr(local, "DIRECT_READ", None)
+    assert store.stream_into([("small", 0, memoryview(bytearray(4 * KIB)))]) is None
+    # Just written through the page cache and read: cached, so the copy is cheaper.
+    with open(tmp_path / "big", "rb") as f:
+        f.read()
+    assert _stream.resident_share([(str(tmp_path / "big"), 0)]) == 1.0
+    assert store.stream_into(req) is None
+    # Dropped from the cache: streamed.
+    fd = os.open(tmp_path / "big", os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    share = _stream.resident_share([(str(tmp_path / "big"), o) for o in range(0, big, 4 * MIB)])
+    if share is None or share >= 0.5:
+        pytest.skip("the page cache of this file system cannot be dropped here")
+    stream = store.stream_into(req)
+    assert stream is not None and list(stream) == [0]
+    monkeypatch.setattr(local, "DIRECT_READ", False)
+    assert store.stream_into(req) is None
+    assert store.stream_into([]) is None
+
+
+def test_declined_where_o_direct_is_refused(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """tmpfs before Linux 6.6 and some FUSE file systems refuse O_DIRECT at open (EINVAL): the
+    reader reads buffered (a stand-in refuses the open: this kernel's file systems take it)."""
+    monkeypatch.setattr(local, "DIRECT_READ", True)
+    _files(tmp_path, {"a": 4 * KIB})
+    real = local.open_regular
+
+    def refuse(path: str, flags: int = 0) -> int:
+        if flags & local._O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags)
+
+    monkeypatch.setattr(local, "open_regular", refuse)
+    assert LocalStorage(str(tmp_path)).stream_into([("a", 0, memoryview(bytearray(4)))]) is None
+
+
+@pytest.mark.parametrize("direct_read", [True, False])
+def test_restore_streams_bit_exact_and_finds_corruption(
+        tmp_path: Path, small_blocks: None, monkeypatch: pytest.MonkeyPatch,
+        direct_read: bool) -> None:
+    """A restore through the manager, streamed or not: every dtype, a non-contiguous target (a
+    buffer, then copied), an empty tensor, a value; then one flipped byte is a checksum error."""
+    monkeypatch.setattr(local, "DIRECT_READ", direct_read)
+    calls = []
+    real = local.stream_into
+    monkeypatch.setattr(local, "stream_into",
+                        lambda *a: (calls.append(len(a[0])), real(*a))[1])
+    g = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(1000 + 37 * i, generator=g) for i in range(40)}
+    state |= {"half": torch.randn(333, generator=g).half(), "ids": torch.arange(5000),
+              "mask": torch.rand(777, generator=g) > 0.5, "empty": torch.empty(0),
+              "grid": torch.randn(64, 48, generator=g), "step": 12}
+    mgr = CheckpointManager(str(tmp_path / "root"), save_interval=1)
+    try:
+        mgr.save(1, state)
+        target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
+                  for k, v in state.items()}
+        target["grid"] = torch.zeros(48, 64).t()  # non-contiguous: read into a buffer
+        mgr.restore(1, target)
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(target[k], v), k
+        assert target["step"] == 12
+        assert bool(calls) is direct_read
+        data = max((p for p in (tmp_path / "root").rglob("*") if p.is_file()),
+                   key=lambda p: p.stat().st_size)
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+            mgr.restore(1, target)
+    finally:
+        mgr.close()
+    assert _io_threads() == []
