@@ -259,6 +259,10 @@ class SavePath:
                                                                      self._durable.lease)
         try:
             self._join_saves()
+            if local and self._local is not None and self._local.skips(req.step):
+                # Another root's local step holds this step number (agreed, and stable now
+                # that no save is in flight): the durable tier alone, written directly.
+                local = upload = False
             if self._uploads is not None:
                 # A durable save planned here writes the root alone: the uploads end first.
                 (self._uploads.adopt if upload or not durable else self._uploads.drain)(
@@ -394,9 +398,12 @@ class SavePath:
             if uploads is not None:
                 uploads.unpin(req.step, was_owed)
             raise
+        # Another root's local step holds this step number (alike on every rank): no local
+        # step was written, the durable part is saved as due.
+        skipped = ready.local and self._local is not None and self._local.last_skipped
         if uploads is not None:
             job = UploadJob(req.step, blocking_s or 0.0, self._stager.last_staged_bytes)
-            if local_err is None:  # the staging buffers are free once this returns
+            if local_err is None and not skipped:  # the staging buffers are free after this
                 uploads.submit(job)
                 return
             uploads.unpin(req.step, was_owed)
@@ -406,7 +413,9 @@ class SavePath:
                 tier, ready, flat, comm))
             if done is not None:
                 self._record_durable(req.step, done, blocking_s, job.staging_bytes, req.t_call)
-            raise local_err
+            if local_err is not None:
+                raise local_err
+            return
         if plan is None:
             if local_err is not None:
                 raise local_err

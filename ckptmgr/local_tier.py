@@ -27,6 +27,14 @@ own after the save's agreement. A replica counts towards whole steps like the ra
 (verified, same save id); a restore first heals the ranks whose own copy is missing or damaged
 from a holder. docs/multitier.md "Peer replicas".
 
+Each local step belongs to one durable root: its manifest records the root (``root`` in
+:data:`LAYOUT_KEY`, :func:`durable_root_key`). A step of another root (another run given the same
+``local_path``) is *foreign*: never listed, verified, restored, uploaded, replicated over, healed
+over or deleted; one warning per tier says how many there are. A save of a step number a foreign
+step holds on any rank is not written to the local tier at all (every rank alike; the durable
+tier saves it as due). A step written before roots were recorded belongs to this run unless its
+upload record names another root (one warning). docs/multitier.md "Another run's local steps".
+
 Call order (every collective over the caller's ``comm``, same order on every rank):
 1) (all ranks) :meth:`LocalTier.open` in the constructor: lease, scan, verify, agree (with
    replicas: place the holders, make the transfer group).
@@ -77,14 +85,17 @@ from ckptmgr.info import StepInfo
 from ckptmgr.lease import Lease
 from ckptmgr.replicas import Receiver, Replicator, Sender, exchange, node_id, plan_holders
 from ckptmgr.step_store import CommitPlan, StepStore
-from ckptmgr.storage import open_storage
+from ckptmgr.storage import Storage, open_storage, redact_url
 
-__all__ = ["LAYOUT_KEY", "UPLOAD_KEY", "LocalTier", "check_local_path", "local_view"]
+__all__ = ["LAYOUT_KEY", "UPLOAD_KEY", "LocalTier", "check_local_path", "durable_root_key",
+           "local_view"]
 
 log = logging.getLogger("ckptmgr")
 
 LAYOUT_KEY = "_ckptmgr_local_tier"
-"""Manifest metadata key of a local step: rank, world size and each DTensor's chunk."""
+"""Manifest metadata key of a local step: rank, world size, each DTensor's chunk, the save id and
+the durable root it belongs to (``root``: :func:`durable_root_key`; absent in steps written
+before roots were recorded)."""
 UPLOAD_KEY = "_ckptmgr_upload"
 """Manifest metadata key of a local step due on the durable tier: what its durable copy needs
 (the mesh description, trusted); :mod:`ckptmgr.uploader` sets and reads it."""
@@ -166,15 +177,30 @@ def check_local_path(cfg: ManagerConfig) -> None:
                           f"on {parent!r}; {fix}")
 
 
+def durable_root_key(storage: Storage) -> str:
+    """How a local step names the durable root it belongs to: the root as its storage normalised
+    it (a local root's absolute path, ``~`` expanded; fsspec's protocol and path, no trailing
+    ``/``), credentials never included. Spellings of one root (``file://``, ``/`` at the end, a
+    relative path) give one key."""
+    root = getattr(storage, "root", None)
+    if not isinstance(root, str):  # a Storage of another kind: the URL it shows
+        return storage.url
+    fs = getattr(storage, "fs", None)
+    unstrip = getattr(fs, "unstrip_protocol", None)
+    return redact_url(unstrip(root) if callable(unstrip) else root)
+
+
 class LocalTier:
     """This rank's node-local tier and the steps all ranks agreed on.
 
     Args:
         cfg: the manager's config (``cfg.local.path`` is set).
         comm: the caller-thread group (ranks agree over it).
+        durable: the durable root's storage: the local steps of this run are the ones recorded
+            as this root's (None: every step is this run's, as before roots were recorded).
     """
 
-    def __init__(self, cfg: ManagerConfig, comm: Comm) -> None:
+    def __init__(self, cfg: ManagerConfig, comm: Comm, durable: Storage | None = None) -> None:
         assert cfg.local.path is not None and cfg.local.interval is not None
         self.interval = cfg.local.interval
         self.max_to_keep = cfg.local.max_to_keep
@@ -208,23 +234,39 @@ class LocalTier:
         self._void: set[int] = set()  # agreed on every rank: not whole, whatever anyone holds
         self._borrowed: dict[int, Manifest] = {}  # whole steps this rank holds no own copy of
         self.replica_bytes_sent = 0  # bytes this rank sent to its holders (measurements)
+        # The durable root this run's local steps record (key), and the URL it is shown as
+        # (what an upload record of a step written before roots were recorded names).
+        self.durable_key = None if durable is None else durable_root_key(durable)
+        self._durable_url = None if durable is None else durable.url
+        # Another root's committed steps (another run given this local_path): never listed,
+        # restored, uploaded, written over or deleted. This rank's own (step -> that root), the
+        # replicas held here, and the step numbers a foreign step holds on any rank (agreed):
+        # a save of such a step skips the local tier (:attr:`last_skipped`).
+        self._foreign: dict[int, str] = {}
+        self._foreign_reps: set[tuple[int, int]] = set()
+        self._collide: set[int] = set()
+        self._legacy: set[int] = set()  # steps that record no root (written before they did)
+        self.last_skipped = False  # the last save skipped the local tier (alike on every rank)
 
     @classmethod
     def open(cls, cfg: ManagerConfig, comm: Comm,
-             replica_comm: Callable[[], Comm] | None = None) -> LocalTier:
+             replica_comm: Callable[[], Comm] | None = None, *,
+             durable: Storage | None = None) -> LocalTier:
         """(collective) Open this rank's directory (taking its writer lease unless read-only),
         verify every committed local step (sizes and checksums) and agree on the whole ones.
 
         With ``local_replicas`` > 0 it also verifies the replicas this rank holds (they count
         towards whole steps), places the holders of each rank's part by node, and makes the
         transfer thread's own group with ``replica_comm`` (collective, every rank alike).
+        ``durable``: the durable root's storage (the steps of other roots are left alone).
 
         Raises:
             LeaseError, StorageError, ConfigError: on any rank, raised on every rank.
         """
-        tier = cls(cfg, comm)
+        tier = cls(cfg, comm, durable)
         try:
             held = comm.agree(tier._open_and_verify)
+            tier._collide = set().union(*comm.all_gather(sorted(tier._foreign)))
             # The coordinator's clock leads the token: of two saves of one step that are both
             # whole (a node back with a stale directory), the newer one is chosen.
             tier._session = comm.broadcast(f"{time.time_ns():x}.{new_attempt_id()}")
@@ -242,6 +284,7 @@ class LocalTier:
         except BaseException:
             tier.close()
             raise
+        tier._warn_foreign()
         lost = sorted({h.step for h in held[0]} - set(tier._agreed_saves))
         if lost:
             log.warning("local tier %s: steps %s are not whole on every rank (a replaced node, "
@@ -340,6 +383,10 @@ class LocalTier:
             self.store.fence = self.lease.check  # every commit and removal checks it
         held: list[_Held] = []
         for step in self.store.scan().committed:
+            other = self._classify(self.store, step, note_legacy=True)
+            if other is not None:  # not read further: it is never ours to verify or delete
+                self._foreign[step] = other
+                continue
             ok = self._verifies(step)
             held.append(_Held(step, ok, self._saves.get(step)))
             if not ok:
@@ -348,6 +395,9 @@ class LocalTier:
         for src in self._replica_sources() if self.replicas else ():
             store = self._rep_store(src)
             for step in store.scan().committed:
+                if self._classify(store, step) is not None:
+                    self._foreign_reps.add((src, step))
+                    continue
                 ok, save = self._verify_in(store, step, src)
                 if ok:
                     self._rep_saves[(src, step)] = save
@@ -389,8 +439,67 @@ class LocalTier:
             return False, None
         return True, save if isinstance(save, str) else None
 
+    def other_root(self, m: Manifest) -> str | None:
+        """The durable root local step ``m`` belongs to when it is not this run's, else None.
+
+        A step records its root (``root`` in :data:`LAYOUT_KEY`, compared as
+        :func:`durable_root_key` makes it). A step written before roots were recorded is this
+        run's unless its upload record (:data:`UPLOAD_KEY`) names another root URL: nothing
+        else can contradict it (docs/multitier.md "Another run's local steps").
+        """
+        if self.durable_key is None:
+            return None
+        info = m.metadata.get(LAYOUT_KEY)
+        root = info.get("root") if isinstance(info, dict) else None
+        if isinstance(root, str):
+            return None if root == self.durable_key else root
+        upload = m.metadata.get(UPLOAD_KEY)
+        shown = upload.get("root") if isinstance(upload, dict) else None
+        return shown if isinstance(shown, str) and shown != self._durable_url else None
+
+    def _classify(self, store: StepStore, step: int, *, note_legacy: bool = False
+                  ) -> str | None:
+        """The other root committed ``step`` in ``store`` belongs to, or None: this run's, or
+        absent or unreadable (then it does not verify, as before). Reads the manifest only.
+        ``note_legacy``: remember it when it records no root (for one warning)."""
+        try:
+            m = store.read_manifest(step)
+        except (CkptmgrError, StorageError):
+            return None
+        other = self.other_root(m)
+        info = m.metadata.get(LAYOUT_KEY)
+        if note_legacy and other is None and self.durable_key is not None and not (
+                isinstance(info, dict) and "root" in info):
+            self._legacy.add(step)
+        return other
+
+    def _warn_foreign(self) -> None:
+        """One warning per tier: the steps of other roots found here, and the ones that record
+        no root (taken as this run's)."""
+        if self._foreign or self._foreign_reps:
+            roots = sorted(set(self._foreign.values()))
+            log.warning(
+                "local tier %s holds %d local step(s) %s and %d replica(s) of another durable "
+                "root (%s), not this run's (%s): another run was given this local_path. They are "
+                "ignored: never listed, restored, uploaded, overwritten or deleted, and this run "
+                "does not save its own steps of those numbers to the local tier. Give this run "
+                "another local_path, or remove them if that run is over", self.root,
+                len(self._foreign), sorted(self._foreign)[-5:], len(self._foreign_reps),
+                ", ".join(roots[:3]) or "replicas only", self.durable_key)
+        legacy = sorted(self._legacy - set(self._foreign))
+        if legacy:
+            log.warning("local tier %s: %d local step(s) %s were written by an older ckptmgr that "
+                        "did not record their durable root: they are taken as this run's (%s); "
+                        "remove them if another run wrote them", self.root, len(legacy),
+                        legacy[-5:], self.durable_key)
+
     def _check_owner(self, m: Manifest, owner: int | None = None) -> dict[str, Any]:
         owner = self.rank if owner is None else owner
+        other = self.other_root(m)
+        if other is not None:
+            raise CorruptCheckpointError(
+                f"local step {m.step} belongs to another durable root ({other}), not this "
+                f"run's ({self.durable_key}); it is left alone", step=m.step)
         info = m.metadata.get(LAYOUT_KEY)
         if not isinstance(info, dict) or info.get("rank") != owner or info.get(
                 "world_size") != self.world_size:
@@ -412,12 +521,19 @@ class LocalTier:
              metrics: Mapping[str, float], metadata: Mapping[str, Any], trusted: bool,
              num_threads: int | None) -> SaveError | None:
         """(collective over ``comm``) Write this rank's local step, agree on the outcome, apply
-        local retention. Returns the agreed failure (every rank gets the same), else None."""
+        local retention. Returns the agreed failure (every rank gets the same), else None.
+
+        A step whose number another root's local step holds on any rank (agreed) is not written
+        on any rank (:attr:`last_skipped`; no collective): this run's older save of it, if any,
+        is whole no more (it is not the state given now)."""
         err: BaseException | None = None
         nbytes = 0
         self.wait_replicas()  # the previous transfer first: one at a time, retention after it
         self._num_saves += 1  # on every rank alike: the save id needs no collective
         save = f"{self._session}-{self._num_saves}"
+        self.last_skipped = self.skips(step)
+        if self.last_skipped:
+            return None
         try:
             nbytes = self._write(step, flat, metrics, metadata, trusted, num_threads, save)
         except Exception as e:
@@ -441,6 +557,20 @@ class LocalTier:
                                    name=f"ckptmgr-replicas-{step}")
         return None
 
+    def skips(self, step: int) -> bool:
+        """(every rank alike, no save in flight) Whether a save of ``step`` skips this tier:
+        another root's local step of that number is here on some rank (agreed at open and at
+        each local save). Then this run's older save of ``step``, if any, is whole no more (it
+        is not the state given now) and one warning says so."""
+        if step not in self._collide:
+            return False
+        self.forget(step)
+        log.warning("local tier %s: step %d is not saved to the local tier: another durable "
+                    "root's local step %d is there (on %s); it is left alone. Give this run "
+                    "another local_path, or remove that run's steps", self.root, step, step,
+                    "this rank" if step in self._foreign else "another rank")
+        return True
+
     def _replicate(self, step: int, save: str) -> None:
         """(transfer thread, collective over its own group) Send this rank's committed ``step``
         to its holders, receive the parts this rank holds, then agree on what each holds."""
@@ -448,7 +578,8 @@ class LocalTier:
         rcomm = self._replicator.comm
         assert self.store is not None
         sends = [(h, Sender(self.store, step)) for h in self.holders[self.rank]]
-        recvs = [(src, Receiver(self._rep_store(src), step, self._wanted(src, save)))
+        recvs = [(src, Receiver(self._rep_store(src), step,
+                                self._wanted(src, save, self._rep_store(src))))
                  for src in range(self.world_size) if self.rank in self.holders[src]]
         exchange(rcomm.group, sends, recvs)
         self.replica_bytes_sent += sum(sender.bytes for _, sender in sends)
@@ -472,13 +603,19 @@ class LocalTier:
             log.warning("local step %d: no replica of the parts of ranks %s (they are held once)",
                         step, missing)
 
-    def _wanted(self, owner: int, save: str | None) -> Callable[[Manifest], str | None]:
-        """Why a received manifest is not the copy wanted: rank ``owner``'s part, save ``save``."""
+    def _wanted(self, owner: int, save: str | None, into: StepStore
+                ) -> Callable[[Manifest], str | None]:
+        """Why a received manifest is not the copy wanted: rank ``owner``'s part, save ``save``,
+        to be committed into ``into`` (where another root's step is never replaced)."""
         def check(m: Manifest) -> str | None:
             try:
                 got = self._check_owner(m, owner).get("save")
             except CorruptCheckpointError as e:
                 return str(e)
+            other = self._classify(into, m.step)
+            if other is not None:
+                return (f"{into.url} holds another durable root's ({other}) step {m.step}; it is "
+                        "left alone")
             if getattr(m, "shared", ()):  # files outside the step directory are not sent
                 return f"step {m.step} references shared chunks; a replica holds no such files"
             return None if got == save else f"it is another save of step {m.step} ({got})"
@@ -502,9 +639,17 @@ class LocalTier:
                             "saves it", e)
             raise
         info = {"rank": self.rank, "world_size": self.world_size, "dtensors": layout,
-                "save": save}
+                "save": save, **({} if self.durable_key is None else {"root": self.durable_key})}
         if self.lease is not None:
             self.lease.check()
+        if step not in self._saves and step not in self._bad:
+            # Not a step this rank wrote: another root's step that came after the last
+            # agreement is never written over (the agreed skip above covers the ones known).
+            other = self._classify(self.store, step)
+            if other is not None:
+                self._foreign[step] = other
+                raise CkptmgrError(f"{self.root} holds another durable root's ({other}) local "
+                                   f"step {step}; it is left alone")
         self._saves.pop(step, None)  # from here on this rank may hold neither version whole
         plan: CommitPlan | None = self.store.begin_save(
             step, forced=False, overwrite=True, world_size=1, metrics=metrics,
@@ -530,7 +675,16 @@ class LocalTier:
         listed = self.store is not None
         if self.store is not None:
             try:
-                mine = self.store.scan().committed
+                committed = self.store.scan().committed
+                # Another root's steps are not this tier's: gone ones (removed by hand) are
+                # forgotten; new ones (moved in) are found by their manifest.
+                self._foreign = {s: r for s, r in self._foreign.items() if s in committed}
+                for s in committed:
+                    if s not in self._foreign and s not in self._saves and s not in self._bad:
+                        other = self._classify(self.store, s)
+                        if other is not None:
+                            self._foreign[s] = other
+                mine = [s for s in committed if s not in self._foreign]
             except StorageError as e:
                 listed = False
                 log.warning("local tier %s: listing failed: %s", self.root, e)
@@ -540,15 +694,17 @@ class LocalTier:
         reps: dict[int, list[int]] = {}
         for src in self._replica_sources() if self.replicas else ():
             try:
-                reps[src] = self._rep_store(src).scan().committed
+                reps[src] = [s for s in self._rep_store(src).scan().committed
+                             if (src, s) not in self._foreign_reps]
             except StorageError as e:
                 listed = False
                 log.warning("local tier %s: listing the replicas of rank %d failed: %s",
                             self.root, src, e)
         rep_held = [(src, _Held(s, (src, s) in self._rep_saves, self._rep_saves.get((src, s))))
                     for src, steps in reps.items() for s in steps]
-        gathered = comm.all_gather(((held, rep_held), listed))
+        gathered = comm.all_gather(((held, rep_held), listed, sorted(self._foreign)))
         whole, holders_of = _whole([g[0] for g in gathered], comm.world_size, self._void)
+        self._collide = {s for g in gathered for s in g[2]}
         self.steps = sorted(whole)[-self.max_to_keep:]
         # A whole step retention drops is never listed again unless re-saved (alike on every
         # rank: ``whole`` is agreed), even while its files stay: a step owed to the durable tier
@@ -681,8 +837,8 @@ class LocalTier:
             source = {r: hs.pop(0) for r, hs in left.items() if hs}
             sends = [(r, Sender(self._rep_store(r), step)) for r, h in source.items()
                      if h == self.rank]
-            receiver = Receiver(self.store, step, self._wanted(self.rank, agreed)) if (
-                self.rank in source) else None
+            receiver = Receiver(self.store, step, self._wanted(
+                self.rank, agreed, self.store)) if self.rank in source else None
             try:
                 exchange(comm.group, sends, [] if receiver is None else [
                     (source[self.rank], receiver)])

@@ -139,7 +139,8 @@ class CheckpointManager(SavePath):
             self._worker = Comm(group and make_group(process_group, timeout), timeout)
             self._durable.open(self._caller, take_over=cfg.take_over)
             self._local = LocalTier.open(  # its replica transfers: a group of their own
-                cfg, self._caller, lambda: Comm(make_group(process_group, timeout), timeout)
+                cfg, self._caller, lambda: Comm(make_group(process_group, timeout), timeout),
+                durable=self._durable.store.storage,  # other roots' local steps are left alone
             ) if cfg.local.path else None
             if self._local is not None and not cfg.read_only:
                 # Durable copies of local steps, made in the background on a group of their own

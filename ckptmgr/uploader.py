@@ -433,14 +433,14 @@ class Uploader:
             except Exception as e:  # not this rank's own copy: the ranks agree below
                 log.info("local step %d is not uploaded from this rank: %s", s, e)
                 continue
-            record = source.manifest.metadata.get(UPLOAD_KEY)
-            # Another job's root (a new run given the same local_path) is never written to.
-            root = record.get("root", self._main.url) if isinstance(record, dict) else None
-            if root == self._main.url:
-                mine.append(s)
-            elif root is not None:
+            # Another job's root (a new run given the same local_path) is never written to: a
+            # step of another root is not a candidate (nor read: upload_source refuses it).
+            other = self._local.other_root(source.manifest)
+            if other is not None:
                 log.info("local step %d is due on another root (%s), not %s: not uploaded", s,
-                         root, self._main.url)
+                         other, self._main.url)
+            elif isinstance(source.manifest.metadata.get(UPLOAD_KEY), dict):
+                mine.append(s)
         steps = sorted(set.intersection(*(set(m) for m in caller.all_gather(mine))))
         for s in steps:
             log.info("local step %d is due on the durable tier %s and missing there: uploading "

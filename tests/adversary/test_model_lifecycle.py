@@ -189,6 +189,10 @@ class Lifecycle(RuleBasedStateMachine):
         self.wiped: set[int] = set()  # local steps whose directory was wiped
         self.maybe_listed: set[int] = set()  # may still be listed (stale local view)
         self.foreign_steps = {FOREIGN_STEP}
+        # Local steps of another run given the same local_path (rule another_run): never
+        # listed, restored or deleted here; a save of such a step skips the local tier.
+        self.foreign_local: set[int] = set()
+        self.other_roots: list[str] = []
         self.plants = dict(PLANTS)
         self.pending: Expect | None = None  # a save_async not joined yet
         self.given: Given | None = None
@@ -221,6 +225,8 @@ class Lifecycle(RuleBasedStateMachine):
         if self.root:
             remove_tree(self.root)
             shutil.rmtree(self.local_root, ignore_errors=True)
+        for other in self.other_roots:
+            remove_tree(other)
 
     def _open(self, *, take_over: bool = False) -> CheckpointManager:
         """A new writer (a new process) on the root; its view is the root as it is now."""
@@ -273,6 +279,8 @@ class Lifecycle(RuleBasedStateMachine):
         c = self.cfg
         durable_due = force or step % c["save_interval"] == 0
         local_due = c["local_interval"] is not None and (force or step % c["local_interval"] == 0)
+        if step in self.foreign_local:
+            local_due = False  # another run's local step of that number is left alone
         durable = None
         if durable_due:
             if step in self.foreign_steps:  # never written into, even with overwrite
@@ -641,7 +649,7 @@ class Lifecycle(RuleBasedStateMachine):
         a = self.writer
         step = self._next_step()
         while step % self.cfg["save_interval"] or step % self.cfg["local_interval"] or (
-                step == FOREIGN_STEP):
+                step == FOREIGN_STEP or step in self.foreign_local):
             step += 1
         e = self._expect(step, False, data)
         assert e.durable == "new" and e.local, e
@@ -776,6 +784,7 @@ class Lifecycle(RuleBasedStateMachine):
         self.wiped |= set(self.local)
         self.maybe_listed |= set(self.local)
         self.local = {}
+        self.foreign_local = set()
 
     @precondition(lambda self: _on("damage_local")
                   and self.writer is not None and bool(self.local))
@@ -795,6 +804,57 @@ class Lifecycle(RuleBasedStateMachine):
             self.damaged[step] = v
         self.maybe_listed.add(step)
         self._check_restore(step)
+
+    @precondition(lambda self: _on("another_run") and self.writer is not None
+                  and self.cfg["local_interval"] is not None)
+    @rule(data=st.data(), n=st.integers(1, 4))
+    def another_run(self, data: Any, n: int) -> None:
+        """Another run (a fresh root of its own) is given this local_path while the writer is
+        stopped, and force-saves ``n`` steps, this run's local step numbers among them. It lists
+        and restores none of this run's local steps and changes none of their files (a step of
+        the same number is saved to its durable tier only); this run's restart lists them
+        again, and leaves that run's local steps alone from now on."""
+        self._quiesce()
+        self._close_writer()
+        rank_dir = os.path.join(self.local_root, "rank-0")
+        before = snapshot(rank_dir)
+        mine = {rel.split("/")[0] for rel in before if rel.endswith(f"/{MANIFEST_NAME}")
+                and rel.split("/")[0].isdigit()}
+        other = self.env.new_root()
+        self.other_roots.append(other)
+        saved: dict[int, int] = {}
+        with self.env.tap.process(None), CheckpointManager(
+                other, self.cfg["save_interval"], chkpt_on_preemption=False,
+                local_path=self.local_root, local_interval=self.cfg["local_interval"],
+                local_max_to_keep=LOCAL_KEEP) as mgr:
+            assert mgr.all_steps() == [], (
+                f"another run lists {mgr.all_steps()} of this run's local steps")
+            for _ in range(n):
+                ours = sorted(int(d) for d in mine)
+                step = int(data.draw(st.sampled_from(ours), label="step") if ours and data.draw(
+                    st.booleans(), label="this run's step?") else self.hi + data.draw(
+                    st.integers(1, 4), label="step ahead"))
+                if step in saved:
+                    continue  # a forced save of a committed step is refused (no overwrite)
+                seed = next(self.seeds)
+                assert mgr.save(step, make_state(seed), force=True)
+                saved[step] = seed
+            assert mgr.all_steps() == sorted(saved), (mgr.all_steps(), sorted(saved))
+            for step, seed in saved.items():
+                target = blank_state()
+                mgr.restore(step, target)
+                assert same_state(target, make_state(seed)), f"the other run's step {step}"
+                if str(step) in mine:
+                    assert mgr.step_info(step).tiers == ("durable",), mgr.step_info(step)
+        after = snapshot(rank_dir)
+        changed = sorted(rel for rel, b in before.items()
+                         if rel.split("/")[0] in mine and after.get(rel) != b)
+        assert not changed, f"another run changed this run's local files {changed[:8]}"
+        self.foreign_local |= {int(rel.split("/")[0]) for rel in after
+                               if rel.endswith(f"/{MANIFEST_NAME}")
+                               and rel.split("/")[0].isdigit()
+                               and rel.split("/")[0] not in mine}
+        self.writer = self._open()
 
     @precondition(lambda self: _on("reopen") and self.writer is not None)
     @rule()
