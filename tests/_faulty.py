@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import errno
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import fsspec
@@ -28,6 +28,7 @@ from ckptmgr.storage import (
     RootEntry,
     Storage,
     StorageWriter,
+    StreamReads,
     VectoredWriter,
 )
 
@@ -200,6 +201,14 @@ class _RangeReadsForwarding(FaultyStorage):
         return self.inner.open_reader(path)
 
 
+class _StreamReadsForwarding(FaultyStorage):
+    inner: StreamReads
+
+    def stream_into(self, requests: Sequence[tuple[str, int, memoryview]]) -> Iterator[int] | None:
+        self._check("stream_into", requests[0][0] if requests else "")
+        return self.inner.stream_into(requests)
+
+
 class _FaultyWriter:
     def __init__(self, storage: FaultyStorage, path: str, inner: StorageWriter) -> None:
         self._storage = storage
@@ -230,6 +239,7 @@ class _FaultyVectoredWriter(_FaultyWriter):
 _FORWARDERS: tuple[tuple[type, type[FaultyStorage]], ...] = (
     (AtomicRename, _AtomicRenameForwarding),
     (RangeReads, _RangeReadsForwarding),
+    (StreamReads, _StreamReadsForwarding),
 )
 _classes: dict[tuple[type, ...], type[FaultyStorage]] = {}
 

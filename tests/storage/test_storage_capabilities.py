@@ -21,6 +21,7 @@ from ckptmgr.storage import (
     RangeReads,
     Storage,
     StorageWriter,
+    StreamReads,
     VectoredWriter,
     open_storage,
 )
@@ -61,8 +62,9 @@ def test_wrapper_forwards_exactly_the_inner_capabilities(tmp_path: os.PathLike[s
     mem = wrap(open_storage(memory_url))
     assert isinstance(local, (Storage, FaultyStorage))
     assert isinstance(local, AtomicRename) and isinstance(local, RangeReads)
+    assert isinstance(local, StreamReads) and not isinstance(mem, StreamReads)
     assert not isinstance(mem, AtomicRename) and isinstance(mem, RangeReads)
-    assert not hasattr(mem, "rename")
+    assert not hasattr(mem, "rename") and not hasattr(mem, "stream_into")
     for st in (local, mem):
         w = _writer(st, "1/f")
         assert isinstance(w, VectoredWriter)
@@ -82,14 +84,22 @@ def test_wrapper_forwards_exactly_the_inner_capabilities(tmp_path: os.PathLike[s
     local.fail_ops.add("rename")
     with pytest.raises(StorageError, match="injected"):
         local.rename("2", "3")
+    buf = bytearray(4)
+    stream = local.stream_into([("1/f", 0, memoryview(buf))])
+    if stream is not None:  # declined for 4 bytes unless local.DIRECT_READ is True
+        assert list(stream) == [0] and bytes(buf) == b"abcd"
+    local.fail_ops.add("stream_into")
+    with pytest.raises(StorageError, match="injected"):
+        local.stream_into([("1/f", 0, memoryview(buf))])
 
 
 def test_wrapper_hides_what_it_is_told_to_and_never_claims_more(
         tmp_path: os.PathLike[str]) -> None:
     bare = wrap(open_storage(os.path.join(tmp_path, "r")),
-                hide=[AtomicRename, RangeReads, VectoredWriter])
+                hide=[AtomicRename, RangeReads, StreamReads, VectoredWriter])
     assert isinstance(bare, Storage)
     assert not isinstance(bare, AtomicRename) and not isinstance(bare, RangeReads)
+    assert not isinstance(bare, StreamReads)
     w = _writer(bare, "1/f")
     assert not isinstance(w, VectoredWriter)
     w.write(b"xyz")
