@@ -224,26 +224,31 @@ _LIBC = _load_libc()
 _PAGE = mmap.PAGESIZE
 
 
-def resident_share(points: Sequence[tuple[str, int]]) -> float | None:
+def resident_share(points: Sequence[tuple[str, int]],
+                   open_file: Callable[[str], int]) -> float | None:
     """The share of ``(absolute path, offset)`` pages held in the page cache (``mincore`` on a
-    private mapping of each page: no I/O is started); None where that cannot be asked."""
+    private mapping of each page: no I/O is started); None where that cannot be asked.
+    ``open_file(path)`` opens a file for reading (never a FIFO or a link: the caller's rule)."""
     if _LIBC is None or not points:
         return None
     held = asked = 0
     for path, offset in points:
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
+            fd = open_file(path)
+            try:
+                size = os.fstat(fd).st_size
                 at = min(offset, max(size - 1, 0)) // mmap.ALLOCATIONGRANULARITY
                 at *= mmap.ALLOCATIONGRANULARITY
                 if size <= at:
                     continue
-                with mmap.mmap(f.fileno(), min(_PAGE, size - at), access=mmap.ACCESS_COPY,
+                with mmap.mmap(fd, min(_PAGE, size - at), access=mmap.ACCESS_COPY,
                                offset=at) as m:
                     probe = (ctypes.c_char * 1).from_buffer(m)
                     vec = (ctypes.c_ubyte * 1)()
                     ok = _LIBC.mincore(ctypes.addressof(probe), 1, vec) == 0
                     del probe
+            finally:
+                os.close(fd)
         except (OSError, ValueError, BufferError):
             return None
         if ok:

@@ -889,7 +889,7 @@ class LocalStorage:
                     points.append((self.abspath(path), offset + max(0, int(k * step) - pos)))
                     k += 1
                 pos += len(buf)
-            share = resident_share(points)
+            share = resident_share(points, open_regular)
             if share is not None and share >= 0.5:
                 return None
         try:  # a file system that refuses O_DIRECT (tmpfs) says so at open: read buffered

@@ -200,7 +200,7 @@ def test_declined_when_small_cached_or_switched_off(tmp_path: Path,
     # Just written through the page cache and read: cached, so the copy is cheaper.
     with open(tmp_path / "big", "rb") as f:
         f.read()
-    assert _stream.resident_share([(str(tmp_path / "big"), 0)]) == 1.0
+    assert _stream.resident_share([(str(tmp_path / "big"), 0)], local.open_regular) == 1.0
     assert store.stream_into(req) is None
     # Dropped from the cache: streamed.
     fd = os.open(tmp_path / "big", os.O_RDONLY)
@@ -209,7 +209,8 @@ def test_declined_when_small_cached_or_switched_off(tmp_path: Path,
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    share = _stream.resident_share([(str(tmp_path / "big"), o) for o in range(0, big, 4 * MIB)])
+    share = _stream.resident_share([(str(tmp_path / "big"), o) for o in range(0, big, 4 * MIB)],
+                                   local.open_regular)
     if share is None or share >= 0.5:
         pytest.skip("the page cache of this file system cannot be dropped here")
     stream = store.stream_into(req)
@@ -273,4 +274,25 @@ def test_restore_streams_bit_exact_and_finds_corruption(
             mgr.restore(1, target)
     finally:
         mgr.close()
+    assert _io_threads() == []
+
+
+def test_fifos_and_links_never_block_or_get_followed(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step directory holding a FIFO or a symbolic link where a data file should be (crafted or
+    damaged): nothing blocks on the FIFO, nothing reads through the link."""
+    monkeypatch.setattr(local, "DIRECT_READ", True)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "real").write_bytes(b"x" * 8192)
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    store = LocalStorage(str(tmp_path))
+    assert _stream.resident_share([(str(tmp_path / "fifo"), 0)], local.open_regular) is None
+    # Declined (not a regular file), and the buffered reader refuses it.
+    assert store.stream_into([("fifo", 0, memoryview(bytearray(10)))]) is None
+    with pytest.raises(StorageError, match="FIFO"):
+        store.read_into("fifo", 0, memoryview(bytearray(10)))
+    stream = store.stream_into([("link", 0, memoryview(bytearray(10)))])
+    assert stream is not None
+    with pytest.raises(StorageError, match=r"read failed for .*/link"):
+        list(stream)
     assert _io_threads() == []
