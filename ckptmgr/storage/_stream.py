@@ -112,6 +112,9 @@ def stream_into(requests: Sequence[tuple[str, int, memoryview]], open_file: Call
     extents = _extents(requests)
     blocks = [_Block(e, pos, min(BLOCK, x.end - pos))
               for e, x in enumerate(extents) for pos in range(x.start, x.end, BLOCK)]
+    # The block after which each file is read no more: its descriptor is closed then (a restore
+    # of shared chunks reads thousands of small files).
+    last_of = {extents[b.extent].path: i for i, b in enumerate(blocks)}
     ring = [pool.take(BLOCK) for _ in range(min(_RING, len(blocks)))]
     views = [memoryview(m) for m in ring]
     ready = [threading.Event() for _ in blocks]
@@ -190,6 +193,11 @@ def stream_into(requests: Sequence[tuple[str, int, memoryview]], open_file: Call
                         break  # continues in the next block
                     yield r
                     r += 1
+                if last_of[ext.path] == i:
+                    with lock:
+                        fd = fds.pop(ext.path, None)
+                    if fd is not None:
+                        os.close(fd)
                 free.release()
                 i += 1
             yield from range(r, ext.last)  # empty requests of an extent with no bytes to read

@@ -296,3 +296,37 @@ def test_fifos_and_links_never_block_or_get_followed(tmp_path: Path,
     with pytest.raises(StorageError, match=r"read failed for .*/link"):
         list(stream)
     assert _io_threads() == []
+
+
+def test_each_file_is_closed_once_read(tmp_path: Path, small_blocks: None,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thousands of small files (a restore of shared chunks) never hold thousands of
+    descriptors: a file is closed once its last block is copied out."""
+    monkeypatch.setattr(local, "DIRECT_READ", True)
+    files = _files(tmp_path, {f"c{i:03d}": 5000 + i for i in range(200)})
+    opened: list[int] = []
+    real_open = local.LocalStorage._open_direct
+
+    def counting(self: LocalStorage, path: str) -> int:
+        fd = real_open(self, path)
+        opened.append(fd)
+        return fd
+
+    monkeypatch.setattr(local.LocalStorage, "_open_direct", counting)
+    reqs = [(name, 0, memoryview(bytearray(len(data)))) for name, data in files.items()]
+    stream = LocalStorage(str(tmp_path)).stream_into(reqs)
+    assert stream is not None
+    peak = 0
+    for k in stream:
+        still_open = sum(1 for fd in set(opened) if _is_open(fd))
+        peak = max(peak, still_open)
+        assert bytes(reqs[k][2]) == files[reqs[k][0]]
+    assert len(opened) == 200 and peak <= 2 + _stream._RING
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
