@@ -23,6 +23,7 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from ckptmgr._shm import ALIGN, ArenaSet, pack
 from ckptmgr.dcp.shards import ShardedTensor, StagedDTensor, StagedShards
+from ckptmgr.storage.local import forget_huge_pages, note_huge_pages
 
 __all__ = ["SaveQueue", "Stager"]
 
@@ -67,6 +69,10 @@ def _huge_page_buffers(specs: list[tuple[tuple[int, ...], torch.dtype]]
     with contextlib.suppress(OSError):  # advice only: refused (some sandboxes), 4 KiB pages
         m.madvise(mmap.MADV_HUGEPAGE)
     base = torch.frombuffer(m, dtype=torch.uint8)  # keeps the mapping alive
+    # The local direct writer writes items lying here straight from this memory, adjacent ones
+    # as one run (ckptmgr.storage.local.note_huge_pages), until the mapping is freed.
+    note_huge_pages(base.data_ptr(), len(m))
+    weakref.finalize(m, forget_huge_pages, base.data_ptr())
     start = -base.data_ptr() % _HUGE
     return [base[start + off:start + off + n].view(dt).view(shape)
             for off, n, (shape, dt) in zip(offsets, sizes, specs, strict=True)]

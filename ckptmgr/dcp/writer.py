@@ -625,7 +625,7 @@ class CkptStorageWriter(StorageWriter):
                         index=item.index, size_in_bytes=n,
                         storage_data=ItemLocation(shared_path, 0, n, item_sum, enc)))
                     continue
-                if n <= _SMALL:
+                if n <= _SMALL and (unbuffered is None or mv.readonly):
                     item_sum = checksum(mv)
                     file_hash.update(mv)
                     pending.append(mv)
@@ -637,8 +637,9 @@ class CkptStorageWriter(StorageWriter):
                     flush()
                     h = Hasher()
                     if unbuffered is not None and not mv.readonly:
-                        # Written from the tensor's own memory (no copy) while it is hashed
-                        # here; the writer may pad first to align it: the padding is file bytes.
+                        # The writer copies it, or writes it from the tensor's own memory (no
+                        # copy) while it is hashed here, small items too: they may continue a
+                        # run of staging memory. It may pad first: the padding is file bytes.
                         start = unbuffered(mv, owner)
                         while pos < start:
                             pad = _ZEROS[:start - pos]

@@ -107,6 +107,11 @@ _DIRECT_MAX_WRITE = 64 * 1024 * 1024  # one write of the caller's memory at most
 # four threads, it was neutral (0.90x-1.05x in three A/B runs): it is what lets eight pay off.
 _COPY_BELOW = 256 * 1024
 _ZEROS = bytes(_DIRECT_ALIGN)  # padding of unbuffered writes
+# With COPY_ALL off, items up to this size are copied (as before runs: they were batched).
+_SMALL_COPY = 1024 * 1024
+# A run of unbuffered memory goes to the I/O threads in pieces once this much of it is waiting,
+# so that the disk is busy while the caller hashes what it handed over.
+_RUN_PIECE = 32 * 1024 * 1024
 # Copy every item into the bounce buffers (never write from the caller's memory), which are
 # private mappings backed by huge pages and kept for the next file (_BOUNCE_POOL). Measured
 # (1 GiB, 816 tensors, interleaved pairs; docs/performance.md): a save 0.89x and 0.77x the time
@@ -399,6 +404,36 @@ _WHOLE_BUF = 8 * 1024 * 1024  # the largest bounce buffer of LocalStorage.write_
 _bounce = threading.local()
 
 
+# Address ranges of memory backed by huge pages that its owner keeps mapped while registered
+# (ckptmgr._async's staging buffers): the direct writer writes items lying there straight from it
+# (no copy into the bounce buffers), adjacent items as one run of large writes.
+WRITE_FROM_HUGE_PAGES = True
+"""Write items lying in registered huge-page memory from it, adjacent ones as one run (False:
+copy them into the bounce buffers as any other item; A/B runs)."""
+_HUGE_SOURCES: tuple[tuple[int, int], ...] = ()
+_HUGE_LOCK = threading.Lock()
+
+
+def note_huge_pages(start: int, nbytes: int) -> None:
+    """Register ``[start, start + nbytes)`` as memory backed by huge pages (its owner calls
+    :func:`forget_huge_pages` before unmapping it). Only the choice between copying an item into
+    the bounce buffers and writing it from its memory depends on it, never a byte of the file."""
+    global _HUGE_SOURCES
+    with _HUGE_LOCK:
+        _HUGE_SOURCES = (*_HUGE_SOURCES, (start, start + nbytes))
+
+
+def forget_huge_pages(start: int) -> None:
+    """Drop the range registered at ``start`` (:func:`note_huge_pages`)."""
+    global _HUGE_SOURCES
+    with _HUGE_LOCK:
+        _HUGE_SOURCES = tuple(r for r in _HUGE_SOURCES if r[0] != start)
+
+
+def _in_huge_pages(addr: int, nbytes: int) -> bool:
+    return any(lo <= addr and addr + nbytes <= hi for lo, hi in _HUGE_SOURCES)
+
+
 def _bounce_buffer(nbytes: int) -> tuple[memoryview, int]:
     """This thread's page-aligned bounce buffer (a view and its address), at least
     ``min(nbytes, _WHOLE_BUF)`` bytes rounded up to whole MiB; kept for the thread's next file."""
@@ -496,6 +531,9 @@ class _DirectWriter:
         self._fill = 0  # bytes in it
         self._offset = 0  # file offset of the buffer being filled
         self._size = 0  # bytes accepted
+        # The open run of unbuffered memory (write_unbuffered): its start and end addresses
+        # (the start aligned: file offset self._offset) and what keeps that memory alive.
+        self._run: tuple[int, int, list[object]] | None = None
         if size_hint:
             # Room for the padding of unbuffered writes too; trimmed by commit's ftruncate.
             _preallocate(fd, size_hint + size_hint // 64 + _DIRECT_ALIGN)
@@ -507,27 +545,40 @@ class _DirectWriter:
     def writev(self, bufs: Sequence[memoryview | bytes]) -> None:
         """Append ``bufs`` in order (copied into the bounce buffers)."""
         assert self._fd is not None, "write after commit/abort"
+        self._close_run()
         for b in bufs:
-            mv = memoryview(b).cast("B")
-            pos, n = 0, len(mv)
-            while pos < n:
-                take = min(n - pos, self._bufsize - self._fill)
-                piece = mv[pos:pos + take]
-                if piece.readonly:
-                    self._views[self._cur][self._fill:self._fill + take] = piece
-                else:  # ctypes' memmove releases the GIL while it copies
-                    ctypes.memmove(self._addrs[self._cur] + self._fill,
-                                   (ctypes.c_char * take).from_buffer(piece), take)
-                self._fill += take
-                self._size += take
-                pos += take
-                if self._fill == self._bufsize:
-                    self._submit(self._fill)
+            self._copy_in(memoryview(b).cast("B"))
+
+    def _copy_in(self, mv: memoryview, *, counted: bool = False) -> None:
+        """Copy ``mv`` into the bounce buffers (``counted``: its bytes are in ``_size``
+        already, as a run's tail is)."""
+        pos, n = 0, len(mv)
+        while pos < n:
+            take = min(n - pos, self._bufsize - self._fill)
+            piece = mv[pos:pos + take]
+            if piece.readonly:
+                self._views[self._cur][self._fill:self._fill + take] = piece
+            else:  # ctypes' memmove releases the GIL while it copies
+                ctypes.memmove(self._addrs[self._cur] + self._fill,
+                               (ctypes.c_char * take).from_buffer(piece), take)
+            self._fill += take
+            self._size += 0 if counted else take
+            pos += take
+            if self._fill == self._bufsize:
+                self._submit(self._fill)
 
     def write_unbuffered(self, data: memoryview, keep: object = None) -> int:
-        """Append writable ``data`` after zero padding (less than 4 KiB) that gives its file
-        offset the alignment of its address, and write its aligned middle from ``data``'s own
-        memory. Returns the file offset of ``data``'s first byte.
+        """Append writable ``data``, from its own memory where that is faster than a copy;
+        returns the file offset of its first byte.
+
+        Written from memory (no copy): ``data`` lying in memory registered as huge pages
+        (:func:`note_huge_pages`: staging buffers), and with ``COPY_ALL`` off any ``data`` over
+        ``_SMALL_COPY``. The file is first padded with zeros (less than 4 KiB) so that the offset
+        has the alignment of the address; the unaligned head and tail go through the bounce
+        buffer. ``data`` that starts right after the previous call's (a gap of less than 4 KiB,
+        all zeros, which then are the file's padding) extends that run: one run is written in
+        pieces of up to 64 MiB, as a run of staging buffers reaches the disk as the largest
+        requests it takes. Anything else is copied, as :meth:`writev` does.
 
         ``data`` (and ``keep``, held until written) must stay alive and unchanged until
         ``commit`` or ``abort`` returns.
@@ -535,34 +586,71 @@ class _DirectWriter:
         assert self._fd is not None, "write after commit/abort"
         mv = memoryview(data).cast("B")
         n = len(mv)
-        if COPY_ALL or mv.readonly or n < 2 * _DIRECT_ALIGN:
+        if mv.readonly or n == 0:
             start = self._size
             self.writev([mv])
             return start
-        self._raise_io_error()
         addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
+        run = self._run
+        if run is not None:
+            lo, hi, keeps = run
+            gap = addr - hi
+            if 0 <= gap < _DIRECT_ALIGN and (gap == 0 or ctypes.string_at(hi, gap) == _ZEROS[:gap]):
+                start = self._size + gap
+                keeps.append(keep)
+                self._run = (lo, addr + n, keeps)
+                self._size = start + n
+                self._submit_run(final=False)
+                return start
+        huge = WRITE_FROM_HUGE_PAGES and _in_huge_pages(addr, n)
+        if n < 2 * _DIRECT_ALIGN or (not huge and (COPY_ALL or n <= _SMALL_COPY)):
+            start = self._size
+            self.writev([mv])
+            return start
+        self._close_run()
+        self._raise_io_error()
         pad = (addr - self._size) % _DIRECT_ALIGN
         if pad:
-            self.writev([_ZEROS[:pad]])
+            self._copy_in(memoryview(_ZEROS)[:pad])
         start = self._size
         head = -addr % _DIRECT_ALIGN
-        mid = (n - head) // _DIRECT_ALIGN * _DIRECT_ALIGN
         if head:
-            self.writev([mv[:head]])
-        if self._fill:  # aligned now: the buffer's bytes go before the middle
+            self._copy_in(mv[:head])
+        if self._fill:  # aligned now: the buffer's bytes go before the run
             if self._fill < _COPY_BELOW:
                 self._submit_copy()
             else:
                 self._submit(self._fill)
-        self._start_threads()
-        for off in range(head, head + mid, _DIRECT_MAX_WRITE):
-            piece = mv[off:min(off + _DIRECT_MAX_WRITE, head + mid)]
-            self._work.put((piece, self._offset, -1, keep))
-            self._offset += len(piece)
-        self._size += mid
-        if head + mid < n:
-            self.writev([mv[head + mid:]])
+        self._run = (addr + head, addr + n, [keep, data])
+        self._size += n - head
+        self._submit_run(final=False)
         return start
+
+    def _submit_run(self, *, final: bool) -> None:
+        """Hand the open run's aligned bytes to the I/O threads once ``_RUN_PIECE`` of them are
+        waiting (``final``: all of them, the unaligned tail copied, and the run closed)."""
+        run = self._run
+        if run is None:
+            return
+        lo, hi, keeps = run
+        ready = (hi - lo) // _DIRECT_ALIGN * _DIRECT_ALIGN
+        if not final and ready < _RUN_PIECE:
+            return
+        self._start_threads()
+        view = memoryview((ctypes.c_char * (hi - lo)).from_address(lo)).cast("B")
+        for off in range(0, ready, _DIRECT_MAX_WRITE):
+            piece = view[off:min(off + _DIRECT_MAX_WRITE, ready)]
+            self._work.put((piece, self._offset, -1, keeps))
+            self._offset += len(piece)
+        if final:
+            self._run = None
+            if ready < hi - lo:
+                self._copy_in(view[ready:], counted=True)
+        else:
+            self._run = (lo + ready, hi, keeps)
+
+    def _close_run(self) -> None:
+        self._submit_run(final=True)
 
     def _start_threads(self) -> None:
         while len(self._threads) < _DIRECT_THREADS:
@@ -650,6 +738,7 @@ class _DirectWriter:
         assert self._fd is not None, "commit after commit/abort"
         fd = self._fd
         try:
+            self._close_run()
             if self._fill:
                 padded = -(-self._fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
                 if not self._threads:
@@ -672,6 +761,7 @@ class _DirectWriter:
 
     def abort(self) -> None:
         """Stop writing, close and remove the partial file; never raises."""
+        self._run = None
         self._stop()
         if self._fd is not None:
             with contextlib.suppress(OSError):

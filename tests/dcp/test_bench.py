@@ -245,6 +245,7 @@ def test_direct_writer_unbuffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     if not _direct_supported(tmp_path):
         pytest.skip("no O_DIRECT on this file system")
     monkeypatch.setattr(local, "COPY_ALL", copy_all)
+    monkeypatch.setattr(local, "_SMALL_COPY", 4096)  # these items are written from memory too
     monkeypatch.setattr(local, "_DIRECT_BUF", 65536)
     monkeypatch.setattr(local, "_DIRECT_MAX_WRITE", 3 * 4096)
     from ckptmgr.dcp.tensor_bytes import tensor_memoryview
