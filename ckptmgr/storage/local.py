@@ -8,10 +8,12 @@ training job's data-set cache matters more than a checkpoint's). Two byte paths:
   pages and kept for the next file (:class:`_BouncePool`): a direct write from 2 MiB pages pins
   512x fewer pages and reaches the disk as requests of its largest size, where a write from a
   tensor's own 4 KiB pages went out as ~1 MiB requests (docs/performance.md, "Huge pages").
-  With ``COPY_ALL`` off, large items are written from the caller's own memory instead
-  (``write_unbuffered``: the file is padded so their offset has their address's alignment) and
-  three buffers of 1/32 of the file take the rest. Eight I/O threads keep several writes in
-  flight in a preallocated file;
+  Items lying in memory registered as huge pages (``note_huge_pages``: a background save's
+  staging mapping) are written from it instead, adjacent ones as one run of 32-64 MiB writes
+  (``write_unbuffered``: the file is padded so their offset has their address's alignment;
+  the zeros between staging slots are that padding). With ``COPY_ALL`` off, large items of any
+  memory are written from it, and three buffers of 1/32 of the file take the rest. Eight I/O
+  threads keep several writes in flight in a preallocated file;
 - buffered writes with early writeback: the kernel is asked to start writing each chunk as soon
   as it is written (``sync_file_range``), at most a bounded window is dirty, and pages already on
   disk are dropped (``posix_fadvise(DONTNEED)``), so the disk is busy from the first chunk
