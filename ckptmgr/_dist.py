@@ -93,6 +93,7 @@ class Comm:
 
     def __init__(self, group: Any, timeout: timedelta | None = None) -> None:
         self.group = group
+        self._destroyed = False
         if group is None:
             self.rank, self.world_size = 0, 1
         else:
@@ -104,13 +105,36 @@ class Comm:
                                  else DEFAULT_COLLECTIVE_TIMEOUT_S)
 
     def destroy(self) -> None:
-        """Destroy this Comm's own group (a failure is logged: it must not mask the caller's
-        error). Only for groups ckptmgr created."""
-        if self.group is not None and dist.is_initialized():
+        """Destroy this Comm's own group and let go of it (a failure is logged: it must not mask
+        the caller's error). Only for groups ckptmgr created; the Comm is unusable after.
+
+        Letting go is what ends the group's threads: torch joins a gloo group's worker threads
+        only when the last reference to the group goes (``destroy_process_group`` alone leaves
+        them running), releasing the GIL meanwhile, so a worker still finishing the last
+        collective (dropping tensors whose Python objects need the GIL) finishes here, while the
+        interpreter is whole (:mod:`ckptmgr._exit`).
+        """
+        group, self.group = self.group, None
+        if group is None:
+            return
+        self._destroyed = True
+        if dist.is_initialized():
             try:
-                dist.destroy_process_group(self.group)
+                dist.destroy_process_group(group)
             except Exception as e:
                 log.debug("could not destroy ckptmgr group: %s", e)
+        del group  # the last reference (the world's maps dropped theirs): the threads end here
+
+    def _solo(self) -> bool:
+        """Whether there is no group (one process).
+
+        Raises:
+            CkptmgrError: the group was destroyed (a collective on it now would hang or lie).
+        """
+        if self._destroyed:
+            raise CkptmgrError("ckptmgr's process group was destroyed (its manager is closed); "
+                               "create a new CheckpointManager")
+        return self.group is None
 
     def _collective(self, fn: Callable[[], T]) -> T:
         self.arrivals.arrive()
@@ -121,7 +145,7 @@ class Comm:
 
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's ``obj`` on every rank."""
-        if self.group is None:
+        if self._solo():
             return obj
         box = [obj]
         src = dist.get_global_rank(self.group, 0)
@@ -130,7 +154,7 @@ class Comm:
 
     def all_gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, by rank."""
-        if self.group is None:
+        if self._solo():
             return [obj]
         out: list[Any] = [None] * self.world_size
         self._collective(lambda: dist.all_gather_object(out, obj, group=self.group))
@@ -138,7 +162,7 @@ class Comm:
 
     def barrier(self) -> None:
         """Wait for every rank."""
-        if self.group is not None:
+        if not self._solo():
             self._collective(lambda: dist.barrier(group=self.group))
 
     def any(self, flag: bool) -> bool:
@@ -169,7 +193,7 @@ class Comm:
             result = fn()
         except Exception as e:
             err = (self.rank, portable(e))
-        if self.group is None:
+        if self._solo():
             if err is not None:
                 raise err[1]
             return result  # type: ignore[no-any-return]
@@ -183,7 +207,7 @@ class Comm:
 
     def on_coordinator(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the coordinator only; return its result (or raise its error) everywhere."""
-        if self.group is None:
+        if self._solo():
             return fn()
         payload: Any = None
         if self.is_coordinator:

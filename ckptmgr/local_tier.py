@@ -957,12 +957,21 @@ class LocalTier:
                        bytes_per_rank={int(layout.get("rank", self.rank)): info.total_bytes},
                        tiers=("local",))
 
-    def close(self) -> None:
-        """Wait for the replica transfer in flight, then release its group and this rank's
-        local writer lease."""
+    @property
+    def transferring(self) -> bool:
+        """Whether a replica transfer runs now."""
+        return self._replicator is not None and self._replicator.in_flight
+
+    def end_transfers(self) -> None:
+        """Wait for the replica transfer in flight, then destroy its group (no transfer after)."""
         if self._replicator is not None:
             self._replicator.close()
             self._replicator = None
+
+    def close(self) -> None:
+        """Wait for the replica transfer in flight, then release its group and this rank's
+        local writer lease."""
+        self.end_transfers()
         if self.lease is not None:
             self.lease.release()
             self.lease = None

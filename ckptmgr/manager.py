@@ -25,6 +25,7 @@ from typing import Any
 
 from ckptmgr._async import SaveQueue, Stager
 from ckptmgr._dist import Comm, collective_timeout, make_group
+from ckptmgr._exit import track
 from ckptmgr._gc import gc_paused
 from ckptmgr._save_on_close import LastGiven
 from ckptmgr._save_path import SavePath
@@ -161,6 +162,7 @@ class CheckpointManager(SavePath):
             self._release()  # a failed constructor leaves no handler, group, thread or lease
             raise
         self._closed = False
+        track(self)  # its process groups end before the interpreter, should close() never come
         # The count is all_steps()'s (every tier); where they are is said only when not all of
         # them are ckptmgr steps of the root.
         view = self._durable.view
@@ -363,6 +365,33 @@ class CheckpointManager(SavePath):
     def add_listener(self, listener: Any) -> None:
         """Call ``listener``'s on_save_start/on_save_end/on_restore_end (ckptmgr.events)."""
         self._events.add(listener)
+
+    def _exit_unclosed(self) -> None:
+        """(:mod:`ckptmgr._exit`, at interpreter exit) Let go of ckptmgr's process groups if
+        close() never came, newest first (the background work ended: its threads are joined
+        before exit hooks run). Local, no collective; the writer lease, writer process and files
+        stay as an exit leaves them. From here on the manager is closed."""
+        if self._closed:
+            return
+        busy = [what for what, running in (
+            ("a save", self._queue.in_flight),
+            ("a replica transfer", self._local is not None and self._local.transferring),
+            ("a durable copy", self._uploads is not None and self._uploads.busy)) if running]
+        if busy:
+            # Only when the wait for those threads was interrupted (Ctrl-C): destroying a group
+            # under a collective would fail it, or wait up to its timeout.
+            log.warning("interpreter exit while %s still runs: ckptmgr's process groups are left "
+                        "to the interpreter's teardown", " and ".join(busy))
+            return
+        self._closed = True
+        if self._uploads is not None:
+            self._uploads.close()
+            self._uploads.comm.destroy()
+        if self._local is not None:
+            self._local.end_transfers()
+        self._worker.destroy()
+        self._caller.destroy()
+        self._caller = self._worker = Comm(None)
 
     def _release(self) -> None:
         """Release the writer process, staging memory, process groups, signal handlers and the

@@ -271,6 +271,12 @@ class Replicator:
             log.error("peer replica transfer failed (%s: %s); no further replicas are sent by "
                       "this rank", type(e).__name__, e)
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a transfer runs now."""
+        t = self._thread
+        return t is not None and t.is_alive()
+
     def wait(self) -> None:
         """Wait for the transfer in flight, if any."""
         if self._thread is not None:

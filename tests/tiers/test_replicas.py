@@ -374,6 +374,93 @@ def test_interpreter_exit_without_close_waits_for_the_transfer(tmp_path: Path,
         assert _held(str(tmp_path), r, r) == {"own": [1, 2], f"rank-{1 - r}": [1, 2]}
 
 
+# Fault hook (test-only: no real part parks a gloo worker on demand): the transfer's last
+# collective is an all_gather on the replica group (the second of its all_gather_object).
+# On rank 0 the gloo worker that completes it runs a done-callback that waits until interpreter
+# exit began; rank 1 joins the collective only once that callback is attached (a file gate), so
+# the worker, not the transfer thread, runs it. The transfer thread goes on at completion, so
+# the worker is still finishing the collective when the script ends: a worker that lost the CPU
+# there is what aborted a run (it took the GIL during finalization, at status -6).
+_PARK_THE_LAST_GATHER = """
+import atexit, threading, time
+import torch.distributed.distributed_c10d as c10d
+exiting = threading.Event()
+def begin_exit():
+    sys.setswitchinterval(1000)  # the main thread keeps the GIL from here until it blocks
+    exiting.set()
+atexit.register(begin_exit)  # registered after ckptmgr's exit hook: runs before it
+real, calls, attached = c10d.all_gather, [0], f"{base}/attached"
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    me = threading.current_thread()
+    if async_op or me.name != "ckptmgr-replicas-2":
+        return real(tensor_list, tensor, group=group, async_op=async_op)
+    calls[0] += 1
+    if calls[0] < 2:
+        return real(tensor_list, tensor, group=group, async_op=async_op)
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(attached) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return real(tensor_list, tensor, group=group, async_op=async_op)
+    fut = real(tensor_list, tensor, group=group, async_op=True).get_future()
+    fut.add_done_callback(lambda _: None if threading.current_thread() is me else exiting.wait())
+    open(attached, "x").close()
+    fut.wait()  # completed: the callbacks run after the waiters are woken
+c10d.all_gather = all_gather
+"""
+
+
+def test_interpreter_exit_without_close_while_gloo_finishes_the_last_collective(
+        tmp_path: Path, zygote: Any) -> None:
+    # Without ckptmgr's exit hook (ckptmgr/_exit.py: the groups of a manager not closed are
+    # destroyed, their workers joined, before finalization) rank 0 aborted in 4 of 4 runs.
+    code = _EXIT_WITHOUT_CLOSE.replace("for s in (1, 2):", _PARK_THE_LAST_GATHER
+                                       + "for s in (1, 2):")
+    runs = [zygote.spawn([str(r), str(tmp_path)], code=code) for r in (0, 1)]
+    outs = [run.communicate(120) for run in runs]
+    for run, (out, err) in zip(runs, outs, strict=True):
+        assert run.returncode == 0 and "saved" in out, err
+    assert (tmp_path / "attached").exists()  # the worker was parked: the case was armed
+    for r in (0, 1):
+        assert _held(str(tmp_path), r, r) == {"own": [1, 2], f"rank-{1 - r}": [1, 2]}
+
+
+def _native_threads() -> int:
+    """Threads of this process that Python did not start (torch's: gloo workers and loops)."""
+    return len(os.listdir("/proc/self/task")) - len(threading.enumerate())
+
+
+def _exit_hook_without_close(rank: int, world: int, nodes: str, node_of: list[int],
+                             root: str) -> dict[str, Any]:
+    from ckptmgr import _exit
+
+    before = _native_threads()
+    mgr = _manager(rank, nodes, node_of, root, 1)
+    mgr.save(1, _state(rank, 1))
+    mgr._local.wait_replicas()  # type: ignore[union-attr]
+    with_groups = _native_threads()
+    _exit._at_exit()  # what the interpreter runs at exit (close() never called)
+    out: dict[str, Any] = {"before": before, "with_groups": with_groups,
+                           "after": _native_threads()}
+    try:
+        mgr.save(2, _state(rank, 2))
+    except ckptmgr.CkptmgrError as e:
+        out["save_after"] = str(e)
+    _exit._at_exit()  # a second run (or a close() after it) finds nothing left to do
+    mgr.close()
+    return out
+
+
+def test_the_exit_hook_ends_the_groups_of_a_manager_never_closed(tmp_path: Path) -> None:
+    # Four groups of ckptmgr's per rank (caller, save worker, replica transfer, uploader), each
+    # with gloo threads that only end once nothing holds the group any more.
+    res = run_ranks(_exit_hook_without_close, 2, str(tmp_path / "nodes"), [0, 1],
+                    str(tmp_path / "root"), timeout_s=120)
+    for r in res:
+        assert r["with_groups"] > r["before"] and r["after"] == r["before"], r
+        assert "closed" in r["save_after"], r
+
+
 def _train_beside_a_file_named_replicas(rank: int, world: int, nodes: str, node_of: list[int],
                                         root: str) -> dict[str, Any]:
     logs = _Logs()
