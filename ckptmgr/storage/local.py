@@ -594,9 +594,11 @@ class _DirectWriter:
             return start
         addr = ctypes.addressof(ctypes.c_char.from_buffer(mv))
         run = self._run
-        if run is not None:
+        huge = WRITE_FROM_HUGE_PAGES and _in_huge_pages(addr, n)
+        if run is not None and (huge or not COPY_ALL):
             lo, hi, keeps = run
             gap = addr - hi
+            # The gap lies in the page the run ends in (so in mapped memory).
             if 0 <= gap < _DIRECT_ALIGN and (gap == 0 or ctypes.string_at(hi, gap) == _ZEROS[:gap]):
                 start = self._size + gap
                 keeps.append(keep)
@@ -604,7 +606,6 @@ class _DirectWriter:
                 self._size = start + n
                 self._submit_run(final=False)
                 return start
-        huge = WRITE_FROM_HUGE_PAGES and _in_huge_pages(addr, n)
         if n < 2 * _DIRECT_ALIGN or (not huge and (COPY_ALL or n <= _SMALL_COPY)):
             start = self._size
             self.writev([mv])
