@@ -235,7 +235,9 @@ _PAGE = mmap.PAGESIZE
 def resident_share(points: Sequence[tuple[str, int]],
                    open_file: Callable[[str], int]) -> float | None:
     """The share of ``(absolute path, offset)`` pages held in the page cache (``mincore`` on a
-    private mapping of each page: no I/O is started); None where that cannot be asked.
+    private mapping of each page: no I/O is started); None where that cannot be asked: the kernel
+    reports every page of a file this process neither owns nor may write as resident (a guard
+    against cache side channels), so such files are never asked about.
     ``open_file(path)`` opens a file for reading (never a FIFO or a link: the caller's rule)."""
     if _LIBC is None or not points:
         return None
@@ -244,7 +246,10 @@ def resident_share(points: Sequence[tuple[str, int]],
         try:
             fd = open_file(path)
             try:
-                size = os.fstat(fd).st_size
+                st = os.fstat(fd)
+                if os.geteuid() not in (0, st.st_uid) and not os.access(path, os.W_OK):
+                    return None
+                size = st.st_size
                 at = min(offset, max(size - 1, 0)) // mmap.ALLOCATIONGRANULARITY
                 at *= mmap.ALLOCATIONGRANULARITY
                 if size <= at:

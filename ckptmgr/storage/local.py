@@ -536,6 +536,10 @@ class _DirectWriter:
         # The open run of unbuffered memory (write_unbuffered): its start and end addresses
         # (the start aligned: file offset self._offset) and what keeps that memory alive.
         self._run: tuple[int, int, list[object]] | None = None
+        # Zero padding runs may still add (gaps between staging slots, alignment at a run's
+        # start): the room preallocated for it, so the file never grows past its preallocation
+        # (an extending direct write takes ext4's exclusive inode lock and stalls the others).
+        self._pad_left = size_hint // 64 if size_hint else 0
         if size_hint:
             # Room for the padding of unbuffered writes too; trimmed by commit's ftruncate.
             _preallocate(fd, size_hint + size_hint // 64 + _DIRECT_ALIGN)
@@ -586,6 +590,7 @@ class _DirectWriter:
         ``commit`` or ``abort`` returns.
         """
         assert self._fd is not None, "write after commit/abort"
+        self._raise_io_error()
         mv = memoryview(data).cast("B")
         n = len(mv)
         if mv.readonly or n == 0:
@@ -599,20 +604,24 @@ class _DirectWriter:
             lo, hi, keeps = run
             gap = addr - hi
             # The gap lies in the page the run ends in (so in mapped memory).
-            if 0 <= gap < _DIRECT_ALIGN and (gap == 0 or ctypes.string_at(hi, gap) == _ZEROS[:gap]):
+            if 0 <= gap < _DIRECT_ALIGN and gap <= self._pad_left and (
+                    gap == 0 or ctypes.string_at(hi, gap) == _ZEROS[:gap]):
+                self._pad_left -= gap
                 start = self._size + gap
                 keeps.append(keep)
                 self._run = (lo, addr + n, keeps)
                 self._size = start + n
                 self._submit_run(final=False)
                 return start
-        if n < 2 * _DIRECT_ALIGN or (not huge and (COPY_ALL or n <= _SMALL_COPY)):
+        pad = (addr - self._size) % _DIRECT_ALIGN  # closing a run leaves _size as it is
+        if (n < 2 * _DIRECT_ALIGN or (not huge and (COPY_ALL or n <= _SMALL_COPY))
+                or (huge and pad > self._pad_left)):
             start = self._size
             self.writev([mv])
             return start
         self._close_run()
-        self._raise_io_error()
-        pad = (addr - self._size) % _DIRECT_ALIGN
+        if huge:
+            self._pad_left -= pad
         if pad:
             self._copy_in(memoryview(_ZEROS)[:pad])
         start = self._size

@@ -149,10 +149,14 @@ def test_io_error_in_a_run_fails_the_commit(
 
     monkeypatch.setattr(local.os, "pwrite", failing)
     w = _direct_writer(tmp_path, 2 * MIB)
-    for k in range(8):
-        w.write_unbuffered(_slot(m, k * 128 * KIB, 128 * KIB), m)
     with pytest.raises(StorageError, match="Input/output error"):
-        w.commit()
+        try:
+            for k in range(8):
+                w.write_unbuffered(_slot(m, k * 128 * KIB, 128 * KIB), m)
+            w.commit()  # aborts itself when it fails
+        except StorageError:
+            w.abort()  # what the dcp writer does when a write raises
+            raise
     assert not (tmp_path / "f").exists()
     assert sum(len(v) for v in pool._idle.values()) == local._COPY_NBUF
 
@@ -199,3 +203,50 @@ def test_background_save_from_staging_verifies_and_restores(tmp_path: Path) -> N
         assert all(not r.problems and r.files_checked for r in results), results
     finally:
         mgr.close()
+
+
+def test_small_staged_items_never_pad_the_file_past_its_preallocation(tmp_path: Path) -> None:
+    """Staging lays each tensor on a page of its own: a 64 KiB weight then three tiny tensors (a
+    bias, a step counter, ...), 64 times. Every tiny item could continue the run over up to 4 KiB
+    of zeros; the file stays within the padding the writer preallocated (size_hint // 64)."""
+    layout, pos = [], 0
+    for _ in range(64):
+        for n in (64 * KIB, 256, 4, 4):
+            layout.append((pos, n))
+            pos += -(-n // 4096) * 4096
+    m = mmap.mmap(-1, pos)
+    for start, n in layout:
+        m[start:start + n] = os.urandom(n)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    local.note_huge_pages(addr, len(m))
+    try:
+        hint = sum(n for _, n in layout)
+        w = _direct_writer(tmp_path, hint)
+        starts = [w.write_unbuffered(memoryview(m)[s:s + n], m) for s, n in layout]
+        w.commit()
+    finally:
+        local.forget_huge_pages(addr)
+    blob = (tmp_path / "f").read_bytes()
+    assert len(blob) <= hint + hint // 64 + 4096, (len(blob), hint)
+    for (s, n), at in zip(layout, starts, strict=True):
+        assert blob[at:at + n] == bytes(m[s:s + n])
+
+
+def test_an_io_error_stops_the_next_item(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arena: tuple[mmap.mmap, int]) -> None:
+    """After a failed write, the next write_unbuffered raises (the caller stops hashing and
+    queueing the rest), also when the item would continue a run."""
+    m, _ = arena
+    monkeypatch.setattr(local, "_RUN_PIECE", 64 * KIB)
+
+    def failing(fd: int, data: memoryview, offset: int) -> int:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(local.os, "pwrite", failing)
+    w = _direct_writer(tmp_path, 2 * MIB)
+    w.write_unbuffered(_slot(m, 0, 128 * KIB), m)  # submitted: the I/O thread fails it
+    w._stop()  # every submitted write has ended (and failed)
+    with pytest.raises(StorageError, match="Input/output error"):
+        w.write_unbuffered(_slot(m, 128 * KIB, 128 * KIB), m)
+    w.abort()
+    assert not (tmp_path / "f").exists()

@@ -7,6 +7,9 @@ import errno
 import fcntl
 import os
 import random
+import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -330,3 +333,31 @@ def _is_open(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to read a file as another user")
+def test_files_of_another_user_are_never_probed(tmp_path: Path) -> None:
+    """The kernel reports every page of a file the caller neither owns nor may write as resident
+    (a side-channel guard): such files (a base checkpoint another account wrote) are not asked
+    about, so their restores still stream instead of always reading buffered."""
+    path = tmp_path / "theirs.bin"
+    path.write_bytes(os.urandom(1 * MIB))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    os.chmod(tmp_path, 0o755)
+    os.chmod(path, 0o644)
+    code = ("import sys; from ckptmgr.storage import _stream, local; "
+            f"print(_stream.resident_share([({str(path)!r}, 0)], local.open_regular))")
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd="/", env={**os.environ, "HOME": "/"})
+    if out.returncode != 0 and "Permission denied" in out.stderr:
+        pytest.skip(f"the interpreter is not readable by another user: {out.stderr[-200:]}")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None"
+    assert _stream.resident_share([(str(path), 0)], local.open_regular) == 0.0  # the owner asks
