@@ -259,7 +259,7 @@ class SavePath:
                                                                      self._durable.lease)
         try:
             self._join_saves()
-            if local and self._local is not None and self._local.skips(req.step):
+            if local and self._local is not None and self._local.skips(req.step, self._caller):
                 # Another root's local step holds this step number (agreed, and stable now
                 # that no save is in flight): the durable tier alone, written directly.
                 local = upload = False
@@ -276,6 +276,9 @@ class SavePath:
         finally:  # a writer process that died may have committed before it could say so
             if restarted:
                 self._durable.rescan(self._caller)
+        if not (durable or local):  # the local tier skipped it and nothing else was due:
+            self._given.remember(req.step, state_dict, req)  # not saved (close() may save it)
+            return False
         self._given.saved(req.step)  # this save covers the steps given before
         return self._prepare(req, state_dict, on_exists="raise", durable=durable, local=local,
                              upload=upload)

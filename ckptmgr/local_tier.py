@@ -531,7 +531,7 @@ class LocalTier:
         self.wait_replicas()  # the previous transfer first: one at a time, retention after it
         self._num_saves += 1  # on every rank alike: the save id needs no collective
         save = f"{self._session}-{self._num_saves}"
-        self.last_skipped = self.skips(step)
+        self.last_skipped = self.skips(step, comm)
         if self.last_skipped:
             return None
         try:
@@ -557,12 +557,22 @@ class LocalTier:
                                    name=f"ckptmgr-replicas-{step}")
         return None
 
-    def skips(self, step: int) -> bool:
-        """(every rank alike, no save in flight) Whether a save of ``step`` skips this tier:
-        another root's local step of that number is here on some rank (agreed at open and at
-        each local save). Then this run's older save of ``step``, if any, is whole no more (it
-        is not the state given now) and one warning says so."""
+    def skips(self, step: int, comm: Comm) -> bool:
+        """(collective over ``comm`` when ``step`` is one another root's local step held at the
+        last agreement: every rank alike; no save in flight) Whether a save of ``step`` skips
+        this tier: another root's local step of that number is still here on some rank (looked
+        at again: it may have been removed by hand since). Then this run's older save of
+        ``step``, if any, is whole no more (it is not the state given now) and one warning says
+        so."""
         if step not in self._collide:
+            return False
+        other = None if self.store is None else self._classify(self.store, step)
+        if other is None:
+            self._foreign.pop(step, None)
+        else:
+            self._foreign[step] = other
+        if not comm.any(other is not None):
+            self._collide.discard(step)  # gone on every rank: this run's step from now on
             return False
         self.forget(step)
         log.warning("local tier %s: step %d is not saved to the local tier: another durable "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,36 @@ def test_a_step_number_another_root_holds_skips_the_local_tier_only(
         target = _target()
         mgr.restore(10, target)
         assert _is(target, "a", 10)
+
+
+def test_a_step_only_the_local_tier_was_due_for_is_saved_by_close(tmp_path: Path) -> None:
+    # Run B's step 10 skips the local tier (run A's step 10 is there) and nothing else was due:
+    # save() returns False and the step counts as given, not saved, so close() saves it to the
+    # durable tier (save_on_close), as for any step given and not saved.
+    _, node = _run_a(tmp_path)
+    b = tmp_path / "b"
+    with _mgr(b, node) as mgr:
+        assert mgr.save(10, _state("b", 10)) is False
+        assert mgr.all_steps() == []
+    with ckptmgr.CheckpointManager(str(b), save_interval=1000, read_only=True) as reader:
+        assert reader.all_steps() == [10]
+        target = _target()
+        reader.restore(10, target)
+        assert _is(target, "b", 10)
+
+
+def test_another_roots_step_removed_by_hand_frees_its_step_number(tmp_path: Path) -> None:
+    # The documented remedy while run B is open: remove run A's step; B's next save of that
+    # step number goes to the local tier again.
+    _, node = _run_a(tmp_path)
+    with _mgr(tmp_path / "b", node) as mgr:
+        assert mgr.all_steps() == []
+        shutil.rmtree(node / "rank-0" / "5")
+        assert mgr.save(5, _state("b", 5))
+        assert mgr.all_steps() == [5] and mgr.step_info(5).tiers == ("local",)
+        assert mgr.save(10, _state("b", 10)) is False  # run A's step 10 is still there
+        target = _target()
+        assert mgr.restore_latest(target) == 5 and _is(target, "b", 5)
 
 
 def test_a_step_owed_to_another_root_is_not_uploaded_nor_overwritten(tmp_path: Path) -> None:
