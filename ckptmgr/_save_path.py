@@ -341,6 +341,9 @@ class SavePath:
                 self._join_saves()
         except AsyncSaveError as e:  # the last checkpoint matters more than the one before it
             log.error("the save before the preemption failed: %s", e)
+        # Whether the local tier holds the step on every rank: else the durable save is not
+        # optional (a failed local save, or another root's local step with this number).
+        local_holds = False
         if self._local is not None:  # the fast tier first, the durable one if the grace allows
             local_ready = self._prepare(req, state_dict, on_exists="skip", durable=False,
                                         local=True)
@@ -348,15 +351,17 @@ class SavePath:
                 if isinstance(local_ready, _Ready):  # False: the durable tier holds the step
                     self._write(replace(local_ready, durable_due=True),
                                 local_ready.prepared.flat, self._caller, None)
+                    local_holds = not self._local.last_skipped
             except SaveError as e:
                 log.error("the local-tier preemption save failed: %s", e)
+            local_holds = not self._caller.any(not local_holds)
         if self._uploads is not None:  # the root is written by one writer at a time
             self._uploads.drain(self._caller)
             try:
                 self._raise_upload_failure()
             except AsyncSaveError as e:
                 log.error("a durable copy before the preemption failed: %s", e)
-        fits = self._local is None or self._caller.on_coordinator(lambda: fits_in_grace(
+        fits = not local_holds or self._caller.on_coordinator(lambda: fits_in_grace(
             time.perf_counter() - req.t_call, self._last_stats, self.config.preemption.grace_s))
         ready = self._prepare(req, state_dict, on_exists="skip") if fits else True
         if isinstance(ready, _Ready):

@@ -11,6 +11,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from ckptmgr import CheckpointManager
@@ -85,3 +86,38 @@ def test_sigint_as_preemption_signal_saves_and_exits_130(local_root: str) -> Non
         state = {"w": torch.zeros(4)}
         mgr.restore(newest, state)
         assert torch.equal(state["w"], torch.full((4,), float(newest + 1)))
+
+
+def test_preemption_save_goes_durable_when_the_local_tier_cannot_hold_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A preemption checkpoint with a local tier goes to the durable root when the grace is too
+    short, but only if the local tier holds it: when another run's local step holds the number
+    (the local save is skipped) or the local save fails, it is saved durably whatever the grace,
+    so a restart resumes from it (it was saved nowhere, and the run resumed from step 3)."""
+    from ckptmgr import local_tier
+    from ckptmgr.errors import SaveError
+
+    node = tmp_path / "node"
+    with CheckpointManager(str(tmp_path / "a"), local_path=str(node), local_interval=5,
+                           save_interval=1000) as other:  # another run, same local_path
+        other.save(10, {"w": torch.full((4,), -1.0)})
+    for case in ("foreign step", "local save fails"):
+        marker = tmp_path / f"preempt-{case}"
+        root = tmp_path / f"b-{case}"
+        step = 10 if case == "foreign step" else 15
+        with CheckpointManager(str(root), local_path=str(node), local_interval=5,
+                               save_interval=3, exit_on_preemption=False,
+                               preemption_file=str(marker), preemption_grace_s=0.001) as mgr:
+            assert mgr.save(3, {"w": torch.full((4,), 3.0)})
+            marker.write_text("")
+            if case == "local save fails":  # a fault a real disk gives only when full
+                def fail(*args: object, **kwargs: object) -> None:
+                    raise SaveError("local tier: No space left on device (injected)")
+                monkeypatch.setattr(local_tier.LocalTier, "save", fail)
+            assert mgr.save(step, {"w": torch.full((4,), float(step))}) is True
+            monkeypatch.undo()
+        with CheckpointManager(str(root), local_path=str(node), local_interval=5,
+                               save_interval=3) as mgr:
+            target = {"w": torch.zeros(4)}
+            assert mgr.restore_latest(target) == step, case
+            assert target["w"][0].item() == float(step)
