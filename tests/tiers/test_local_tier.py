@@ -124,3 +124,21 @@ def test_local_reads_refuse_non_regular_files(tmp_path: Path) -> None:
         pytest.fail("reading a FIFO blocked")
     assert isinstance(got[0], StorageError) and "FIFO" in str(got[0]), got
     assert isinstance(got[0], CkptmgrError)
+
+
+def test_one_durable_root_through_a_link_is_one_root(tmp_path: Path) -> None:
+    """The durable root named through a symbolic link, then by its real path (a restart under
+    the other spelling): the local steps are this run's, listed and restored (they looked like
+    another run's, and restore_latest found nothing)."""
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    node = str(tmp_path / "node")
+    with ckptmgr.CheckpointManager(str(tmp_path / "link"), local_path=node, local_interval=5,
+                                   save_interval=1000) as mgr:
+        for step in (5, 10):
+            mgr.save(step, {"w": torch.full((8,), float(step))})
+    with ckptmgr.CheckpointManager(str(tmp_path / "real"), local_path=node, local_interval=5,
+                                   save_interval=1000) as mgr:
+        assert mgr.all_steps() == [5, 10]
+        target = {"w": torch.zeros(8)}
+        assert mgr.restore_latest(target) == 10 and target["w"][0].item() == 10.0
