@@ -186,6 +186,8 @@ def durable_root_key(storage: Storage) -> str:
     if not isinstance(root, str):  # a Storage of another kind: the URL it shows
         return storage.url
     fs = getattr(storage, "fs", None)
+    if fs is None:  # a local root: one directory reached through a link is one root
+        root = os.path.realpath(root)
     unstrip = getattr(fs, "unstrip_protocol", None)
     return redact_url(unstrip(root) if callable(unstrip) else root)
 
