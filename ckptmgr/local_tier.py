@@ -49,6 +49,7 @@ Call order (every collective over the caller's ``comm``, same order on every ran
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -153,6 +154,12 @@ class _Held:
 _Report = tuple[list[_Held], list[tuple[int, _Held]]]
 REPLICAS_DIR = "replicas"
 """Sub-directory of a rank's own directory holding its replicas: ``replicas/rank-<src>/<step>``."""
+DROPPED_NAME = ".ckptmgr-local-dropped.json"
+"""File at the top of a rank's own directory naming the saves (step, save id) that are whole no
+more: dropped by local retention while their files stay (owed to the durable tier), or
+forgotten. Read at construction (every rank's, joined) so that none is listed again after a
+restart, whatever happened to the newer steps meanwhile."""
+_MAX_DROPPED_BYTES = 16 << 20
 
 
 def check_local_path(cfg: ManagerConfig) -> None:
@@ -234,6 +241,10 @@ class LocalTier:
         # Agreed: step -> source rank -> the other ranks holding a verified copy of its part.
         self._holders_of: dict[int, dict[int, list[int]]] = {}
         self._void: set[int] = set()  # agreed on every rank: not whole, whatever anyone holds
+        # Saves (step, save id) never whole again: every rank's record joined at construction,
+        # and the ones dropped since; and what this rank's record (DROPPED_NAME) holds.
+        self._dropped: set[tuple[int, str | None]] = set()
+        self._recorded: set[tuple[int, str | None]] = set()
         self._borrowed: dict[int, Manifest] = {}  # whole steps this rank holds no own copy of
         self.replica_bytes_sent = 0  # bytes this rank sent to its holders (measurements)
         # The durable root this run's local steps record (key), and the URL it is shown as
@@ -268,19 +279,29 @@ class LocalTier:
         tier = cls(cfg, comm, durable)
         try:
             held = comm.agree(tier._open_and_verify)
-            tier._collide = set().union(*comm.all_gather(sorted(tier._foreign)))
+            # The saves any rank recorded as dropped travel with the foreign steps (no more
+            # collectives): a rank that crashed before writing its record is covered by the
+            # others, and a replaced node's empty directory forgets nothing.
+            found = comm.all_gather((sorted(tier._foreign), sorted(tier._dropped, key=str)))
+            tier._collide = {s for foreign, _ in found for s in foreign}
+            tier._dropped = {(int(s), v) for _, d in found for s, v in d}
             # The coordinator's clock leads the token: of two saves of one step that are both
             # whole (a node back with a stale directory), the newer one is chosen.
             tier._session = comm.broadcast(f"{time.time_ns():x}.{new_attempt_id()}")
             gathered: list[_Report] = comm.all_gather(held)
             tier._agreed_saves, tier._holders_of = _whole(gathered, comm.world_size)
-            whole = sorted(tier._agreed_saves)
-            # Listed as local retention keeps them: the newest ``max_to_keep``. Older whole
-            # steps (a crash before local retention ran, or a step kept for its durable copy)
-            # are never listed again; they stay only for the copy a restart owes the durable
-            # tier (ckptmgr.uploader: :meth:`upload_candidates`), and go at the next local save.
+            # Listed as local retention keeps them: the newest ``max_to_keep`` whole steps that
+            # no rank recorded as dropped. The dropped ones (kept on disk for their durable
+            # copy) are not counted: a newer step damaged since must not bring one back. Older
+            # whole steps (a crash before local retention ran, or a step kept for its durable
+            # copy) are never listed again either (recorded now); they stay only for the copy a
+            # restart owes the durable tier (ckptmgr.uploader: :meth:`upload_candidates`, which
+            # lists them all), and go at the next local save.
+            whole = [s for s, save in sorted(tier._agreed_saves.items())
+                     if (s, save) not in tier._dropped]
             tier.steps = whole[-tier.max_to_keep:]
-            tier._void.update(whole[:-tier.max_to_keep])
+            tier._void.update(s for s in tier._agreed_saves if s not in tier.steps)
+            tier._drop({s: tier._agreed_saves[s] for s in whole[:-tier.max_to_keep]})
             if tier.replicas:
                 tier._open_replicas(comm, gathered, replica_comm)
         except BaseException:
@@ -383,6 +404,7 @@ class LocalTier:
             self.lease = Lease(self.store.storage)
             self.lease.acquire(take_over=self._take_over)
             self.store.fence = self.lease.check  # every commit and removal checks it
+        self._dropped = self._recorded = self._read_dropped()
         held: list[_Held] = []
         for step in self.store.scan().committed:
             other = self._classify(self.store, step, note_legacy=True)
@@ -405,6 +427,54 @@ class LocalTier:
                     self._rep_saves[(src, step)] = save
                 reps.append((src, _Held(step, ok, save)))
         return held, reps
+
+    def _read_dropped(self) -> set[tuple[int, str | None]]:
+        """The saves this rank recorded as dropped (:data:`DROPPED_NAME`; none if absent). An
+        unreadable record is reported and taken as empty: the other ranks' records still
+        count, and the positional rule (the newest ``max_to_keep``) still applies."""
+        assert self.store is not None
+        storage = self.store.storage
+        try:
+            if not storage.exists(DROPPED_NAME):
+                return set()
+            if storage.size(DROPPED_NAME) > _MAX_DROPPED_BYTES:
+                raise ValueError(f"larger than {_MAX_DROPPED_BYTES} bytes")
+            doc = json.loads(storage.read_bytes(DROPPED_NAME))
+            return {(int(s), v) for s, v in doc["dropped"]
+                    if isinstance(s, int) and (v is None or isinstance(v, str))}
+        except (StorageError, ValueError, KeyError, TypeError) as e:
+            log.warning("local tier %s: cannot read %s (%s): the steps it names as dropped by "
+                        "local retention may be listed again; remove it if it is not "
+                        "ckptmgr's", self.root, DROPPED_NAME, e)
+            return set()
+
+    def _drop(self, saves: Mapping[int, str | None], *, record: bool = True) -> None:
+        """(every rank alike) ``saves`` (step -> save id) are whole no more. With ``record``
+        (their files stay on disk: owed to the durable tier, or not deleted yet) this rank's
+        record of them is written first, before anything acts on the drop (this agreement's
+        deletions, the save's return): a restart never lists them again, even where a newer
+        step was damaged since and the newest ``max_to_keep`` would bring one back. A step
+        deleted at once needs no record (nothing is left to list). The record keeps the saves
+        of the steps still held here (own, another root's, or replicas); best effort (a failure
+        is reported: the other ranks' records count too)."""
+        self._dropped.update(saves.items())
+        new = set(saves.items()) - self._recorded
+        if not record or not new or self.store is None or self._read_only:
+            return
+        try:
+            if self.lease is not None:
+                self.lease.check()  # another writer owns this directory now: leave it alone
+            held = set(self.store.scan().committed)
+            for src in self._replica_sources() if self.replicas else ():
+                held.update(self._rep_store(src).scan().committed)
+            keep = {(s, v) for s, v in self._recorded if s in held} | new
+            doc = {"dropped": sorted(([s, v] for s, v in keep), key=str)}
+            self.store.storage.write_bytes(DROPPED_NAME, json.dumps(doc).encode())
+            self._recorded = keep
+        except (CkptmgrError, StorageError) as e:
+            log.warning("local tier %s: cannot record that steps %s were dropped by local "
+                        "retention (%s): after a restart they may be listed again if a newer "
+                        "step is lost", self.root, sorted(s for s, _ in new), e)
 
     def _verifies(self, step: int) -> bool:
         """Whether this rank's copy of ``step`` is ours, for this rank and world size, and every
@@ -722,8 +792,10 @@ class LocalTier:
         # rank: ``whole`` is agreed), even while its files stay: a step owed to the durable tier
         # is kept on disk for its upload, and must not come back as one of the newest whole
         # steps at the next agreement, when it depends on the upload's timing whether it is
-        # still there.
-        self._void.update(s for s in whole if s not in self.steps)
+        # still there, nor after a restart (recorded on disk first, before any deletion).
+        gone = {s: v for s, v in whole.items() if s not in self.steps}
+        self._drop(gone, record=False)  # recorded below for the ones whose files stay
+        self._void.update(gone)
         self._agreed_saves = {s: whole[s] for s in self.steps}
         self._holders_of = {s: holders_of[s] for s in self.steps}
         self._borrowed = {s: m for s, m in self._borrowed.items() if s in self.steps}
@@ -734,7 +806,11 @@ class LocalTier:
             # so no rank deletes one on its word (the next save's agreement tries again).
             log.warning("local tier %s: a rank could not list its local steps; local retention "
                         "waits for the next save", self.root)
+            self._drop(gone)
             return
+        # The dropped steps kept for their copy are recorded before any deletion: a crash
+        # from here on never lists them again.
+        self._drop({s: v for s, v in gone.items() if s in self.owed and s not in self._bad})
         for s in mine:  # every removal goes through the store's fenced door
             if s in self.owed and s not in self._bad:
                 continue  # the durable tier is still owed its copy (ckptmgr.uploader)
@@ -751,6 +827,8 @@ class LocalTier:
                 return
             except CkptmgrError as e:  # best effort: the kept steps are whole everywhere
                 log.warning("local retention could not delete step %d: %s", s, e)
+                if s in gone:  # its files may stay: never listed again
+                    self._drop({s: gone[s]})
         try:
             self.store.remove_leftovers(self.store.scan())
         except CkptmgrError as e:
@@ -786,6 +864,8 @@ class LocalTier:
         deleted at the next local save's agreement."""
         self._bad.add(step)
         self._void.add(step)
+        if step in self._agreed_saves:  # nor after a restart, while its files stay
+            self._drop({step: self._agreed_saves[step]})
         self.steps = [s for s in self.steps if s != step]
         self._agreed_saves.pop(step, None)
 

@@ -204,6 +204,48 @@ def test_a_restart_lists_the_newest_local_steps_and_uploads_an_older_owed_one(
     assert _durable_steps(faulty) == [10, 30]
 
 
+def test_a_dropped_step_kept_for_its_upload_stays_unlisted_when_a_newer_one_is_lost(
+        faulty: str, tmp_path: Path) -> None:
+    # Found by a helper (H1): a step local retention dropped but kept on disk for its owed
+    # durable copy came back in the listing after a restart once a newer local step was damaged
+    # (the restart listed the newest local_max_to_keep whole steps, counting the dropped one).
+    # Its drop is recorded on disk now: never listed again, in any order of restarts and upload
+    # outcomes, while its owed copy is still made from it.
+    node = tmp_path / "node"
+    FaultyFS.fail_data = True
+    with _mgr(faulty, node) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.retry_s = 0.0
+        mgr.save_async(10, _state(10))
+        with pytest.raises(AsyncSaveError):
+            mgr.join()
+        for step in (15, 25):  # local only: step 10 is dropped, kept for its copy
+            mgr.save_async(step, _state(step))
+        mgr.join()
+        assert mgr.all_steps() == [15, 25]
+    data = next(p for p in (node / "rank-0" / "25").iterdir() if p.name.startswith("data-"))
+    data.write_bytes(data.read_bytes()[:-1])  # the newest local step is lost while it is down
+    with _mgr(faulty, node) as mgr:  # its copy fails again: still owed, still kept
+        assert mgr._uploads is not None
+        mgr._uploads.retry_s = 0.0
+        with pytest.raises(AsyncSaveError):
+            mgr.join()
+        assert mgr.all_steps() == [15]
+        assert (node / "rank-0" / "10" / "commit.json").exists()
+    FaultyFS.fail_data = False
+    with _mgr(faulty, node) as mgr:  # its copy is made from the kept local files
+        mgr.join()
+        assert [(s, mgr.step_info(s).tiers) for s in mgr.all_steps()] == [
+            (10, ("durable",)), (15, ("local",))]
+        out = _target()
+        mgr.restore(10, out)
+        assert _equal(out, _state(10))
+        mgr.save_async(20, _state(20))
+        mgr.join()
+        assert not (node / "rank-0" / "10").exists()  # uploaded and not listed: deleted
+    assert _durable_steps(faulty) == [10, 20]
+
+
 def test_a_step_saved_again_while_its_upload_is_in_flight(faulty: str, tmp_path: Path) -> None:
     # The root's answer to "does it hold step 10" is known only after the copy in flight: the
     # second save of step 10 waits for it, then is skipped as any due save of a step the root
