@@ -349,7 +349,10 @@ def serve_http(handler: type[BaseHTTPRequestHandler], name: str) -> tuple[
             if attempt == 2:
                 raise
     server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True, name=name)
+    # Polled every 50 ms for shutdown() (the default 0.5 s made each proxy's stop() wait up to
+    # that long).
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True, name=name)
     thread.start()
     return server, f"http://{HOST}:{server.server_address[1]}", thread
 
