@@ -274,3 +274,162 @@ def test_replicas_and_heal_leave_another_roots_steps_alone(tmp_path: Path) -> No
     assert all(r["restored"] == 5 and r["exact"] for r in healed), healed
     after = _files(nodes / "node0")
     assert {k: v for k, v in after.items() if k in before["node0"]} == before["node0"]
+
+
+# ------------------------------------------- manifests this version cannot read (one process)
+
+
+def _manifest(node: Path, step: int, *, rank: int = 0) -> Path:
+    return node / f"rank-{rank}" / str(step) / "commit.json"
+
+
+def _newer_format(node: Path, *steps: int) -> None:
+    """Make ``steps`` look written by a newer ckptmgr: a manifest this version cannot decode."""
+    for s in steps:
+        doc = json.loads(_manifest(node, s).read_text())
+        doc["format_version"] = 99
+        _manifest(node, s).write_text(json.dumps(doc))
+
+
+def test_another_roots_step_this_version_cannot_decode_is_left_alone(tmp_path: Path) -> None:
+    # Run A's step 10 was written by a newer ckptmgr (format_version 99): this version cannot
+    # decode its manifest, but the root recorded in it still says whose it is. Run B neither
+    # lists, deletes nor writes over it; run A (its root) cleans it up as any damaged step of
+    # its own.
+    a, node = _run_a(tmp_path)
+    _newer_format(node, 10)
+    before = _files(node)
+    with _mgr(tmp_path / "b", node, local_max_to_keep=1) as mgr:
+        assert mgr.all_steps() == []
+        assert mgr.save(10, _state("b", 10)) is False  # skips the local tier
+        for s in (15, 20):  # local retention (keep 1) runs after each save
+            assert mgr.save(s, _state("b", s))
+        assert mgr.all_steps() == [20]
+    after = _files(node)
+    assert {k: v for k, v in after.items() if k in before} == before
+    with _mgr(a, node) as mgr:
+        assert mgr.all_steps() == [5]
+        assert mgr.save(25, _state("a", 25))
+    assert not (node / "rank-0" / "10").exists()
+
+
+@pytest.fixture
+def failing_reads(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """Paths (relative to a local root) whose reads fail with EIO while they are in the set: an
+    I/O error on those files only (the disk cannot be made to fail on demand)."""
+    from ckptmgr.errors import StorageError
+    from ckptmgr.storage.local import LocalStorage
+
+    failing: set[str] = set()
+    read = LocalStorage.read_bytes
+
+    def read_bytes(self: LocalStorage, path: str, start: int = 0,
+                   length: int | None = None) -> bytes:
+        if path in failing:
+            raise StorageError(f"read failed for {self.url}/{path}: Input/output error "
+                               "(injected)") from OSError(5, "Input/output error")
+        return read(self, path, start, length)
+
+    monkeypatch.setattr(LocalStorage, "read_bytes", read_bytes)
+    return failing
+
+
+def test_a_step_whose_manifest_cannot_be_read_is_neither_deleted_nor_overwritten(
+        tmp_path: Path, failing_reads: set[str]) -> None:
+    # While run A's manifests cannot be read (EIO), run B cannot tell whose steps they are: it
+    # never deletes or writes over them (nor lists them); once they read again they are found
+    # to be run A's, still left alone. Run A then has them all.
+    a, node = _run_a(tmp_path)
+    before = _files(node)
+    failing_reads.update({"5/commit.json", "10/commit.json"})
+    with _mgr(tmp_path / "b", node, local_max_to_keep=1) as mgr:
+        assert mgr.all_steps() == []
+        assert mgr.save(10, _state("b", 10)) is False  # skips the local tier
+        for s in (15, 20):  # local retention (keep 1) runs after each save
+            assert mgr.save(s, _state("b", s))
+        failing_reads.clear()
+        assert mgr.save(25, _state("b", 25))
+        assert mgr.all_steps() == [25]
+    after = _files(node)
+    assert {k: v for k, v in after.items() if k in before} == before
+    with _mgr(a, node) as mgr:
+        assert mgr.all_steps() == [5, 10]
+        target = _target()
+        assert mgr.restore_latest(target) == 10 and _is(target, "a", 10)
+
+
+def test_a_step_appearing_with_an_unreadable_manifest_is_not_overwritten(
+        tmp_path: Path, failing_reads: set[str]) -> None:
+    # Run A's step 10 is moved in after run B opened, and its manifest cannot be read: B's
+    # save of step 10 fails on the local tier instead of writing over it.
+    a, node = _run_a(tmp_path)
+    shutil.move(node / "rank-0" / "10", tmp_path / "a10")
+    with _mgr(tmp_path / "b", node) as mgr:
+        assert mgr.save(5, _state("b", 5)) is False  # run A's step 5: skipped
+        failing_reads.add("10/commit.json")
+        shutil.move(tmp_path / "a10", node / "rank-0" / "10")
+        before = _files(node / "rank-0" / "10")
+        with pytest.raises(ckptmgr.errors.SaveError, match="step 10"):
+            mgr.save(10, _state("b", 10))
+        assert mgr.save(15, _state("b", 15))
+        assert _files(node / "rank-0" / "10") == before
+        failing_reads.clear()
+    with _mgr(a, node) as mgr:
+        assert mgr.all_steps() == [5, 10]
+
+
+# -------------------------------------------------------- replicas of another root (one process)
+
+
+def _foreign_replica(a_node: Path, node: Path, step: int) -> Path:
+    """Run A's step ``step`` placed where this node holds rank 1's replicas."""
+    dest = node / "rank-0" / "replicas" / "rank-1" / str(step)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(a_node / "rank-0" / str(step), dest)
+    return dest
+
+
+def test_another_roots_replica_appearing_after_open_is_not_pruned(tmp_path: Path) -> None:
+    # One process with local_replicas=1 holds no replicas of its own (one node) but prunes what
+    # its replica directories hold: run A's replica moved in after B opened is not B's to delete.
+    _, a_node = _run_a(tmp_path)
+    node = tmp_path / "node-b"
+    with _mgr(tmp_path / "b", node, local_replicas=1) as mgr:
+        assert mgr.save(5, _state("b", 5))
+        replica = _foreign_replica(a_node, node, 10)
+        before = _files(replica)
+        for s in (15, 20, 25):
+            assert mgr.save(s, _state("b", s))
+        assert _files(replica) == before
+
+
+def test_another_roots_replica_removed_frees_its_place(tmp_path: Path) -> None:
+    # Run A's replica (rank 1, step 20) is there when B opens, then removed by hand; a replica of
+    # B's own at that place later is B's: local retention deletes it as any other (it was kept
+    # forever: the replica counted as another root's).
+    _, a_node = _run_a(tmp_path, (5, 10, 20))
+    node = tmp_path / "node-b"
+    _foreign_replica(a_node, node, 20)
+    with _mgr(tmp_path / "b", node, local_replicas=1) as mgr:
+        replica = node / "rank-0" / "replicas" / "rank-1" / "20"
+        shutil.rmtree(replica)
+        assert mgr.save(20, _state("b", 20))
+        shutil.copytree(node / "rank-0" / "20", replica)  # B's step 20, as a replica
+        for s in (25, 30):
+            assert mgr.save(s, _state("b", s))
+        assert not replica.exists()
+
+
+@pytest.mark.parametrize("spelling", ["{a}/", "./a/", "file://{a}/", "link/"])
+def test_an_upload_record_names_this_root_in_another_spelling(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelling: str) -> None:
+    # Steps written before roots were recorded name the root as their upload record shows it
+    # (the user's spelling): another spelling of this run's root is this run's root.
+    a, node = _run_a(tmp_path)
+    (tmp_path / "link").symlink_to(a)
+    monkeypatch.chdir(tmp_path)
+    _strip_root(node, upload_root=spelling.format(a=a))
+    with _mgr(a, node) as mgr:
+        assert mgr.all_steps() == [5, 10]
+        target = _target()
+        assert mgr.restore_latest(target) == 10 and _is(target, "a", 10)
