@@ -33,7 +33,14 @@ Each local step belongs to one durable root: its manifest records the root (``ro
 over or deleted; one warning per tier says how many there are. A save of a step number a foreign
 step holds on any rank is not written to the local tier at all (every rank alike; the durable
 tier saves it as due). A step written before roots were recorded belongs to this run unless its
-upload record names another root (one warning). docs/multitier.md "Another run's local steps".
+upload record names another root (one warning; the two spellings compared normalised: a local
+path's real path, a URL without a trailing ``/``). A step whose manifest this version cannot
+decode (damaged, or written by a newer ckptmgr) is judged by the root recorded in its raw JSON:
+another root's is foreign; one naming this root, or none, is this run's damaged step, and local
+retention deletes it at the next save (as before). A step whose manifest cannot be read (an I/O
+error) is taken as foreign until it reads again (looked at again at each save's agreement):
+never deleted or written over meanwhile. Another root's replicas held here are looked at again
+at each agreement too. docs/multitier.md "Another run's local steps".
 
 Call order (every collective over the caller's ``comm``, same order on every rank):
 1) (all ranks) :meth:`LocalTier.open` in the constructor: lease, scan, verify, agree (with
@@ -61,8 +68,14 @@ import torch
 
 from ckptmgr._dist import Comm
 from ckptmgr.codec.checksum import Hasher
-from ckptmgr.codec.layout import join, new_attempt_id, step_dir_name
-from ckptmgr.codec.manifest import Manifest, decode_manifest
+from ckptmgr.codec.layout import MANIFEST_NAME, join, new_attempt_id, step_dir_name
+from ckptmgr.codec.manifest import (
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    ManifestError,
+    check_json_depth,
+    decode_manifest,
+)
 from ckptmgr.config import ManagerConfig
 from ckptmgr.dcp import shards
 from ckptmgr.dcp.checkpoint import (
@@ -75,6 +88,7 @@ from ckptmgr.dcp.checkpoint import (
 )
 from ckptmgr.dcp.state import flatten_state
 from ckptmgr.errors import (
+    CheckpointNotFoundError,
     CkptmgrError,
     ConfigError,
     CorruptCheckpointError,
@@ -86,7 +100,7 @@ from ckptmgr.info import StepInfo
 from ckptmgr.lease import Lease
 from ckptmgr.replicas import Receiver, Replicator, Sender, exchange, node_id, plan_holders
 from ckptmgr.step_store import CommitPlan, StepStore
-from ckptmgr.storage import Storage, open_storage, redact_url
+from ckptmgr.storage import Storage, is_not_found, open_storage, redact_url, split_scheme
 
 __all__ = ["LAYOUT_KEY", "UPLOAD_KEY", "LocalTier", "check_local_path", "durable_root_key",
            "local_view"]
@@ -199,6 +213,22 @@ def durable_root_key(storage: Storage) -> str:
     return redact_url(unstrip(root) if callable(unstrip) else root)
 
 
+def _shown_root_key(url: str) -> str:
+    """A durable root as an upload record shows it (its storage's ``url``: the user's spelling),
+    normalised as :func:`durable_root_key` normalises a root: a local path (or ``file://``)
+    absolute (from this process's working directory), ``~`` expanded, its real path; a URL
+    without a trailing ``/``. Two spellings of one root compare equal."""
+    scheme, rest = split_scheme(url)
+    if scheme in (None, "file", "local") and rest:
+        return os.path.realpath(os.path.abspath(os.path.expanduser(rest)))
+    return url.rstrip("/") or url
+
+
+_UNREAD = "unknown: its manifest cannot be read now"
+"""What :meth:`LocalTier._classify` gives for a step whose manifest cannot be read (an I/O
+error): whose it is cannot be told, so it is treated as another root's until it reads again."""
+
+
 class LocalTier:
     """This rank's node-local tier and the steps all ranks agreed on.
 
@@ -256,7 +286,7 @@ class LocalTier:
         # replicas held here, and the step numbers a foreign step holds on any rank (agreed):
         # a save of such a step skips the local tier (:attr:`last_skipped`).
         self._foreign: dict[int, str] = {}
-        self._foreign_reps: set[tuple[int, int]] = set()
+        self._foreign_reps: dict[tuple[int, int], str] = {}
         self._collide: set[int] = set()
         self._legacy: set[int] = set()  # steps that record no root (written before they did)
         self.last_skipped = False  # the last save skipped the local tier (alike on every rank)
@@ -419,8 +449,9 @@ class LocalTier:
         for src in self._replica_sources() if self.replicas else ():
             store = self._rep_store(src)
             for step in store.scan().committed:
-                if self._classify(store, step) is not None:
-                    self._foreign_reps.add((src, step))
+                other = self._classify(store, step)
+                if other is not None:
+                    self._foreign_reps[(src, step)] = other
                     continue
                 ok, save = self._verify_in(store, step, src)
                 if ok:
@@ -519,31 +550,77 @@ class LocalTier:
         run's unless its upload record (:data:`UPLOAD_KEY`) names another root URL: nothing
         else can contradict it (docs/multitier.md "Another run's local steps").
         """
+        return self._other_root_in(m.metadata)
+
+    def _other_root_in(self, metadata: Mapping[str, Any]) -> str | None:
+        """:meth:`other_root` of a manifest's ``metadata`` (decoded, or read loosely)."""
         if self.durable_key is None:
             return None
-        info = m.metadata.get(LAYOUT_KEY)
+        info = metadata.get(LAYOUT_KEY)
         root = info.get("root") if isinstance(info, dict) else None
         if isinstance(root, str):
             return None if root == self.durable_key else root
-        upload = m.metadata.get(UPLOAD_KEY)
+        # The upload record shows the root as the user spelled it: compared normalised.
+        upload = metadata.get(UPLOAD_KEY)
         shown = upload.get("root") if isinstance(upload, dict) else None
-        return shown if isinstance(shown, str) and shown != self._durable_url else None
+        return shown if isinstance(shown, str) and (
+            self._durable_url is None
+            or _shown_root_key(shown) != _shown_root_key(self._durable_url)) else None
 
     def _classify(self, store: StepStore, step: int, *, note_legacy: bool = False
                   ) -> str | None:
-        """The other root committed ``step`` in ``store`` belongs to, or None: this run's, or
-        absent or unreadable (then it does not verify, as before). Reads the manifest only.
-        ``note_legacy``: remember it when it records no root (for one warning)."""
+        """Whose committed ``step`` in ``store`` is: the other root it belongs to, or None (this
+        run's, or absent). Reads the manifest only:
+
+        - it decodes: :meth:`other_root` says;
+        - it does not decode (damaged, or written by a newer ckptmgr): its JSON is read loosely,
+          no larger than a manifest may be, for the same records. It names another root: that
+          root's (never deleted, written over or listed). It names this run's root, or none, or
+          is no JSON object within that size: None, this run's damaged step (it does not
+          verify, so local retention deletes it; as before);
+        - it cannot be read (an I/O error): :data:`_UNREAD`, taken as another root's in this
+          call (never deleted, written over or listed; one warning), and looked at again at
+          the next save's agreement.
+
+        ``note_legacy``: remember a decoded step that records no root (for one warning)."""
         try:
             m = store.read_manifest(step)
-        except (CkptmgrError, StorageError):
+        except CheckpointNotFoundError:
             return None
+        except StorageError as e:
+            return self._unread(store, step, e)
+        except CkptmgrError:  # it does not decode (CorruptCheckpointError, UnsafeCheckpointError)
+            return self._classify_loosely(store, step)
         other = self.other_root(m)
         info = m.metadata.get(LAYOUT_KEY)
         if note_legacy and other is None and self.durable_key is not None and not (
                 isinstance(info, dict) and "root" in info):
             self._legacy.add(step)
         return other
+
+    def _classify_loosely(self, store: StepStore, step: int) -> str | None:
+        """:meth:`_classify` of a step whose manifest does not decode: the root recorded in its
+        raw JSON (read as :class:`StepStore` reads a manifest: its path, its size limit)."""
+        path = join(step_dir_name(step), MANIFEST_NAME)
+        try:
+            if store.storage.size(path) > MAX_MANIFEST_BYTES:
+                return None
+            data = store.storage.read_bytes(path)
+        except StorageError as e:
+            return None if is_not_found(e) else self._unread(store, step, e)
+        try:
+            check_json_depth(data)  # the parser recurses
+            doc = json.loads(data.decode("utf-8"))
+        except (ManifestError, ValueError, RecursionError):
+            return None
+        metadata = doc.get("metadata") if isinstance(doc, dict) else None
+        return self._other_root_in(metadata) if isinstance(metadata, dict) else None
+
+    def _unread(self, store: StepStore, step: int, err: StorageError) -> str:
+        log.warning("local tier %s: cannot read step %d's manifest (%s): whose step it is cannot "
+                    "be told, so it is left alone (not listed, deleted or written over) until it "
+                    "reads again; check the disk", store.url, step, err)
+        return _UNREAD
 
     def _warn_foreign(self) -> None:
         """One warning per tier: the steps of other roots found here, and the ones that record
@@ -759,13 +836,18 @@ class LocalTier:
             try:
                 committed = self.store.scan().committed
                 # Another root's steps are not this tier's: gone ones (removed by hand) are
-                # forgotten; new ones (moved in) are found by their manifest.
+                # forgotten; new ones (moved in), and the ones whose manifest could not be read,
+                # are found by their manifest.
                 self._foreign = {s: r for s, r in self._foreign.items() if s in committed}
                 for s in committed:
-                    if s not in self._foreign and s not in self._saves and s not in self._bad:
+                    if self._foreign.get(s) == _UNREAD or (
+                            s not in self._foreign and s not in self._saves
+                            and s not in self._bad):
                         other = self._classify(self.store, s)
                         if other is not None:
                             self._foreign[s] = other
+                        else:
+                            self._foreign.pop(s, None)
                 mine = [s for s in committed if s not in self._foreign]
             except StorageError as e:
                 listed = False
@@ -774,14 +856,28 @@ class LocalTier:
             self._bad.add(s)  # committed here, but by no save this rank knows: not trusted
         held = [_Held(s, s not in self._bad, self._saves.get(s)) for s in mine]
         reps: dict[int, list[int]] = {}
+        foreign_reps: dict[tuple[int, int], str] = {}
         for src in self._replica_sources() if self.replicas else ():
+            store = self._rep_store(src)
             try:
-                reps[src] = [s for s in self._rep_store(src).scan().committed
-                             if (src, s) not in self._foreign_reps]
+                held_reps = store.scan().committed
             except StorageError as e:
                 listed = False
+                foreign_reps.update((k, r) for k, r in self._foreign_reps.items() if k[0] == src)
                 log.warning("local tier %s: listing the replicas of rank %d failed: %s",
                             self.root, src, e)
+                continue
+            # As for this rank's own steps: another root's replicas removed by hand are
+            # forgotten (the place is free for this run's), new ones (moved in) and the ones
+            # whose manifest could not be read are found by their manifest (never pruned).
+            for s in held_reps:
+                other = self._foreign_reps.get((src, s))
+                if other == _UNREAD or (other is None and (src, s) not in self._rep_saves):
+                    other = self._classify(store, s)
+                if other is not None:
+                    foreign_reps[(src, s)] = other
+            reps[src] = [s for s in held_reps if (src, s) not in foreign_reps]
+        self._foreign_reps = foreign_reps
         rep_held = [(src, _Held(s, (src, s) in self._rep_saves, self._rep_saves.get((src, s))))
                     for src, steps in reps.items() for s in steps]
         gathered = comm.all_gather(((held, rep_held), listed, sorted(self._foreign)))
