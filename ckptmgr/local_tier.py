@@ -579,8 +579,8 @@ class LocalTier:
           is no JSON object within that size: None, this run's damaged step (it does not
           verify, so local retention deletes it; as before);
         - it cannot be read (an I/O error): :data:`_UNREAD`, taken as another root's in this
-          call (never deleted, written over or listed; one warning), and looked at again at
-          the next save's agreement.
+          call (never deleted, written over or listed; a warning at each look), and looked at
+          again at the next save's agreement.
 
         ``note_legacy``: remember a decoded step that records no root (for one warning)."""
         try:
