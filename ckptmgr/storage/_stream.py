@@ -134,14 +134,17 @@ def stream_into(requests: Sequence[tuple[str, int, memoryview]], open_file: Call
         path = extents[b.extent].path
         try:
             fd = fd_of(path)
+            refused = False
             while b.got < b.length:
                 try:
                     n = os.preadv(fd, [view[b.got:b.length]], b.start + b.got)
                 except OSError as e:  # took O_DIRECT at open, not this read: go buffered
-                    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-                    if e.errno != errno.EINVAL or not flags & _O_DIRECT:
+                    if e.errno != errno.EINVAL or refused:
                         raise
-                    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+                    refused = True  # once: the other thread may have switched already
+                    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+                    if flags & _O_DIRECT:
+                        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
                     continue
                 if n == 0:
                     break  # the end of the file: the copy checks what the requests needed

@@ -711,15 +711,19 @@ class _DirectWriter:
         fd = self._fd
         assert fd is not None, "write after close"
         pos = 0
+        refused = False
         while pos < len(view):
             try:
                 pos += os.pwrite(fd, view[pos:], offset + pos)
             except OSError as e:
-                # A file system that accepted O_DIRECT at open but not this write: go buffered.
-                flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-                if e.errno != errno.EINVAL or not flags & _O_DIRECT:
+                # A file system that accepted O_DIRECT at open but not this write: go buffered
+                # (once per write: another I/O thread may have switched the file already).
+                if e.errno != errno.EINVAL or refused:
                     raise
-                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+                refused = True
+                flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+                if flags & _O_DIRECT:
+                    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
 
     def _raise_io_error(self) -> None:
         if self._error is not None:

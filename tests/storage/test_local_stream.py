@@ -361,3 +361,57 @@ def test_files_of_another_user_are_never_probed(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "None"
     assert _stream.resident_share([(str(path), 0)], local.open_regular) == 0.0  # the owner asks
+
+
+def test_two_io_threads_refused_direct_at_once_both_go_buffered(
+        tmp_path: Path, small_blocks: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both I/O threads' direct reads are refused before either has switched the file to
+    buffered: each retries buffered (the second used to find the switch done and raise)."""
+    monkeypatch.setattr(local, "DIRECT_READ", True)
+    files = _files(tmp_path, {"a": 300 * KIB})
+    real = os.preadv
+    both = threading.Barrier(2, timeout=10)
+    first: set[int] = set()
+
+    def racing(fd: int, bufs: list[memoryview], offset: int, *flags: int) -> int:
+        me = threading.get_ident()
+        if me not in first:
+            first.add(me)
+            both.wait()  # both reads were issued direct
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, offset, *flags)
+
+    monkeypatch.setattr(_stream.os, "preadv", racing)
+    buf = memoryview(bytearray(300 * KIB))
+    stream = LocalStorage(str(tmp_path)).stream_into([("a", 0, buf)])
+    assert stream is not None and list(stream) == [0]
+    assert bytes(buf) == files["a"] and len(first) == 2
+
+
+def test_two_writer_threads_refused_direct_at_once_both_go_buffered(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct writer's I/O threads likewise: two writes refused before the switch both
+    retry buffered, and the file is whole."""
+    monkeypatch.setattr(local, "_DIRECT_BUF", 65536)
+    monkeypatch.setattr(local, "_COPY_BUF_MIN", 65536)
+    w = LocalStorage(str(tmp_path)).open_writer("f", size_hint=1 * MIB)
+    if not isinstance(w, local._DirectWriter):
+        w.abort()
+        pytest.skip("no O_DIRECT on this file system")
+    real = os.pwrite
+    both = threading.Barrier(2, timeout=10)
+    first: set[int] = set()
+
+    def racing(fd: int, data: memoryview, offset: int) -> int:
+        me = threading.get_ident()
+        if me not in first and len(first) < 2:
+            first.add(me)
+            both.wait()
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(local.os, "pwrite", racing)
+    data = os.urandom(1 * MIB)
+    w.write(data)
+    w.commit()
+    assert (tmp_path / "f").read_bytes() == data and len(first) == 2
