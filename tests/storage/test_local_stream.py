@@ -37,6 +37,16 @@ def _io_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("ckptmgr-read-io")]
 
 
+def _stream_fails(store: LocalStorage, reqs: list[tuple[str, int, memoryview]],
+                  match: str) -> None:
+    """Streaming ``reqs`` raises StorageError matching ``match``, and no I/O thread is left."""
+    stream = store.stream_into(reqs)
+    assert stream is not None
+    with pytest.raises(StorageError, match=match):
+        list(stream)
+    assert _io_threads() == []
+
+
 def _files(root: Path, sizes: dict[str, int], seed: int = 0) -> dict[str, bytes]:
     rng = random.Random(seed)
     out = {}
@@ -119,11 +129,7 @@ def test_missing_file_is_a_storage_error(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(local, "DIRECT_READ", True)
     _files(tmp_path, {"a": 4 * KIB})
     reqs = [("a", 0, memoryview(bytearray(4 * KIB))), ("gone", 0, memoryview(bytearray(1)))]
-    stream = LocalStorage(str(tmp_path)).stream_into(reqs)
-    assert stream is not None
-    with pytest.raises(StorageError, match=r"read failed for .*/gone: No such file"):
-        list(stream)
-    assert _io_threads() == []
+    _stream_fails(LocalStorage(str(tmp_path)), reqs, r"read failed for .*/gone: No such file")
 
 
 def test_read_error_mid_stream_stops_every_thread(tmp_path: Path, small_blocks: None,
@@ -294,11 +300,7 @@ def test_fifos_and_links_never_block_or_get_followed(tmp_path: Path,
     assert store.stream_into([("fifo", 0, memoryview(bytearray(10)))]) is None
     with pytest.raises(StorageError, match="FIFO"):
         store.read_into("fifo", 0, memoryview(bytearray(10)))
-    stream = store.stream_into([("link", 0, memoryview(bytearray(10)))])
-    assert stream is not None
-    with pytest.raises(StorageError, match=r"read failed for .*/link"):
-        list(stream)
-    assert _io_threads() == []
+    _stream_fails(store, [("link", 0, memoryview(bytearray(10)))], r"read failed for .*/link")
 
 
 def test_each_file_is_closed_once_read(tmp_path: Path, small_blocks: None,
