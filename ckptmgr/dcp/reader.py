@@ -461,23 +461,26 @@ class CkptStorageReader(StorageReader):
         """(stream thread) Read one run: each stretch of items in one storage streamed by it
         when it can (:class:`StreamReads`: local files not in the page cache), else in vectored
         reads (:meth:`_read_batched`)."""
+        located = [self._locate(r.loc.file) for r in reads]
         i = 0
         while i < len(reads):
-            storage = self._locate(reads[i].loc.file)[0]
+            storage = located[i][0]
             j = i + 1
-            while j < len(reads) and self._locate(reads[j].loc.file)[0] is storage:
+            while j < len(reads) and located[j][0] is storage:
                 j += 1
-            if not (isinstance(storage, StreamReads) and self._stream(storage, reads[i:j], stop)):
+            if not (isinstance(storage, StreamReads) and self._stream(
+                    storage, reads[i:j], [path for _, path in located[i:j]], stop)):
                 self._read_batched(reads[i:j], stop)
             i = j
 
-    def _stream(self, storage: StreamReads, reads: list[_TensorRead],
+    def _stream(self, storage: StreamReads, reads: list[_TensorRead], paths: list[str],
                 stop: threading.Event) -> bool:
-        """(stream thread) Read ``reads`` as one stream of ``storage``, checksumming each item
-        as it completes; False when the storage declines (nothing was read)."""
+        """(stream thread) Read ``reads`` (at ``paths`` of ``storage``) as one stream,
+        checksumming each item as it completes; False when the storage declines (nothing was
+        read)."""
         views = [tensor_memoryview(r.dest) for r in reads]
-        stream = storage.stream_into([(self._locate(r.loc.file)[1], r.loc.offset, v)
-                                      for r, v in zip(reads, views, strict=True)])
+        stream = storage.stream_into([(path, r.loc.offset, v)
+                                      for r, path, v in zip(reads, paths, views, strict=True)])
         if stream is None:
             return False
         try:
