@@ -432,7 +432,14 @@ class LocalTier:
         self.store = StepStore(open_storage(self.root, writable=not self._read_only))
         if not self._read_only:
             self.lease = Lease(self.store.storage)
-            self.lease.acquire(take_over=self._take_over)
+            try:
+                self.lease.acquire(take_over=self._take_over)
+            except LeaseError as e:  # the lease is the directory's, whatever the root
+                raise LeaseError(
+                    f"{e} (this is the local tier, local_path: its writer lease belongs to the "
+                    "directory, whichever run writes it; jobs running at the same time need a "
+                    "local_path each, and take_over=True would stop the other job's local "
+                    "saves)") from e
             self.store.fence = self.lease.check  # every commit and removal checks it
         self._dropped = self._recorded = self._read_dropped()
         held: list[_Held] = []

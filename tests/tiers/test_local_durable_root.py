@@ -23,6 +23,7 @@ from test_replicas import _held, _Logs, _manager, _resume, _train
 from test_replicas import _state as _rank_state
 
 import ckptmgr
+from ckptmgr.errors import LeaseError
 
 LAYOUT = "_ckptmgr_local_tier"
 UPLOAD = "_ckptmgr_upload"
@@ -433,3 +434,15 @@ def test_an_upload_record_names_this_root_in_another_spelling(
         assert mgr.all_steps() == [5, 10]
         target = _target()
         assert mgr.restore_latest(target) == 10 and _is(target, "a", 10)
+
+
+def test_a_running_job_of_another_root_holds_the_local_path(tmp_path: Path) -> None:
+    """Two jobs at the same time cannot share a local_path (the lease is the directory's): the
+    second is refused, and the message says to give each job its own local_path instead of
+    suggesting take_over alone."""
+    node = str(tmp_path / "node")
+    refused = r"local_path.*jobs running at the same time need a local_path each"
+    with ckptmgr.CheckpointManager(str(tmp_path / "a"), local_path=node, local_interval=5,
+                                   save_interval=1000), pytest.raises(LeaseError, match=refused):
+        ckptmgr.CheckpointManager(str(tmp_path / "b"), local_path=node, local_interval=5,
+                                  save_interval=1000)
