@@ -220,7 +220,10 @@ def _shown_root_key(url: str) -> str:
     without a trailing ``/``. Two spellings of one root compare equal."""
     scheme, rest = split_scheme(url)
     if scheme in (None, "file", "local") and rest:
-        return os.path.realpath(os.path.abspath(os.path.expanduser(rest)))
+        try:
+            return os.path.realpath(os.path.abspath(os.path.expanduser(rest)))
+        except (ValueError, OSError):  # bytes from storage: a NUL, a path too long; as it is
+            return rest
     return url.rstrip("/") or url
 
 
@@ -477,10 +480,13 @@ class LocalTier:
                 return set()
             if storage.size(DROPPED_NAME) > _MAX_DROPPED_BYTES:
                 raise ValueError(f"larger than {_MAX_DROPPED_BYTES} bytes")
-            doc = json.loads(storage.read_bytes(DROPPED_NAME))
+            data = storage.read_bytes(DROPPED_NAME)
+            check_json_depth(data)  # the parser recurses
+            doc = json.loads(data)
             return {(int(s), v) for s, v in doc["dropped"]
                     if isinstance(s, int) and (v is None or isinstance(v, str))}
-        except (StorageError, ValueError, KeyError, TypeError) as e:
+        except (StorageError, ManifestError, ValueError, KeyError, TypeError,
+                RecursionError) as e:
             log.warning("local tier %s: cannot read %s (%s): the steps it names as dropped by "
                         "local retention may be listed again; remove it if it is not "
                         "ckptmgr's", self.root, DROPPED_NAME, e)

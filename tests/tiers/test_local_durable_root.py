@@ -446,3 +446,45 @@ def test_a_running_job_of_another_root_holds_the_local_path(tmp_path: Path) -> N
                                    save_interval=1000), pytest.raises(LeaseError, match=refused):
         ckptmgr.CheckpointManager(str(tmp_path / "b"), local_path=node, local_interval=5,
                                   save_interval=1000)
+
+
+def _commit_json(node: Path, step: int) -> Path:
+    return next((node / "rank-0").glob(f"{step}/commit.json"))
+
+
+def _name_a_nul_root(manifest: Path) -> None:
+    """The step's manifest names no root but an upload root holding a NUL byte (bytes from
+    storage: crafted or damaged), in a format this version cannot decode."""
+    doc = json.loads(manifest.read_text())
+    doc["metadata"][LAYOUT].pop("root", None)
+    doc["metadata"][UPLOAD] = {"root": "x\u0000y"}
+    doc["format_version"] = 99
+    manifest.write_text(json.dumps(doc))
+
+
+def test_crafted_records_in_the_local_tier_never_stop_the_run(tmp_path: Path) -> None:
+    """R3: an upload root with a NUL byte (os.path.realpath raised ValueError: construction
+    failed at every start, and a step moved in later failed every save), and a dropped-steps
+    record nested 100,000 deep (RecursionError at construction). Now: the step is another
+    root's (kept, not listed), the record is reported and taken as empty."""
+    a, node = tmp_path / "a", tmp_path / "node"
+
+    def open_a() -> ckptmgr.CheckpointManager:
+        return ckptmgr.CheckpointManager(str(a), local_path=str(node), local_interval=5,
+                                         save_interval=1000, local_max_to_keep=2)
+
+    with open_a() as mgr:
+        for step in (5, 10):
+            mgr.save(step, _state("a", step))
+    _name_a_nul_root(_commit_json(node, 10))
+    with open_a() as mgr:  # present at construction
+        assert mgr.all_steps() == [5]
+        moved = _commit_json(node, 5).parent.parent / "15"
+        shutil.copytree(_commit_json(node, 5).parent, moved)
+        _name_a_nul_root(moved / "commit.json")
+        mgr.save(20, _state("a", 20))  # moved in after construction
+        assert mgr.all_steps() == [5, 20]
+    assert (node / "rank-0" / "10").is_dir() and moved.is_dir()  # never deleted
+    (node / "rank-0" / ".ckptmgr-local-dropped.json").write_bytes(b"[" * 100_000)
+    with open_a() as mgr:
+        assert mgr.all_steps() == [5, 20]
