@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["BLOCK", "StreamEOF", "resident_share", "stream_into"]
+__all__ = ["BLOCK", "StreamEOF", "resident_share", "stream_into", "switch_to_buffered"]
 
 BLOCK = 8 * 1024 * 1024
 """Bytes per direct read: two of the disk's largest requests here (``max_sectors_kb`` 4096).
@@ -39,6 +39,18 @@ _ALIGN = 4096  # offsets, lengths and addresses of direct reads
 # a request costs the disk more than 1 MiB of sequential bytes.
 _MERGE_GAP = 1024 * 1024
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def switch_to_buffered(fd: int, err: OSError, refused: bool) -> None:
+    """After ``err`` from a direct read or write of ``fd``: re-raise it, unless it is a file
+    system refusing ``O_DIRECT`` on a file it opened with it (EINVAL) and this I/O was not
+    refused before (``refused``); then ``fd`` is switched to buffered I/O (unless another thread
+    did so already: its I/O may have been refused before the switch) and the caller retries."""
+    if err.errno != errno.EINVAL or refused:
+        raise err
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if flags & _O_DIRECT:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
 
 
 class Pool(Protocol):
@@ -139,12 +151,8 @@ def stream_into(requests: Sequence[tuple[str, int, memoryview]], open_file: Call
                 try:
                     n = os.preadv(fd, [view[b.got:b.length]], b.start + b.got)
                 except OSError as e:  # took O_DIRECT at open, not this read: go buffered
-                    if e.errno != errno.EINVAL or refused:
-                        raise
-                    refused = True  # once: the other thread may have switched already
-                    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-                    if flags & _O_DIRECT:
-                        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+                    switch_to_buffered(fd, e, refused)
+                    refused = True
                     continue
                 if n == 0:
                     break  # the end of the file: the copy checks what the requests needed

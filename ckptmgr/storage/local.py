@@ -39,7 +39,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import fcntl
 import functools
 import mmap
 import os
@@ -53,7 +52,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from ckptmgr.errors import StorageError
-from ckptmgr.storage._stream import StreamEOF, resident_share, stream_into
+from ckptmgr.storage._stream import StreamEOF, resident_share, stream_into, switch_to_buffered
 from ckptmgr.storage.base import RootEntry
 
 __all__ = ["LocalReader", "LocalStorage", "open_regular"]
@@ -463,14 +462,13 @@ def _write_aligned(fd: int, mv: memoryview) -> None:
             padded = -(-take // _DIRECT_ALIGN) * _DIRECT_ALIGN
             buf[take:padded] = _ZEROS[:padded - take]
             done = 0
+            refused = False
             while done < padded:
                 try:
                     done += os.pwrite(fd, buf[done:padded], pos + done)
                 except OSError as e:  # accepted O_DIRECT at open, not this write: go buffered
-                    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-                    if e.errno != errno.EINVAL or not flags & _O_DIRECT:
-                        raise
-                    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+                    switch_to_buffered(fd, e, refused)
+                    refused = True
             pos += take
         if len(mv) % _DIRECT_ALIGN:
             os.ftruncate(fd, len(mv))
@@ -715,15 +713,9 @@ class _DirectWriter:
         while pos < len(view):
             try:
                 pos += os.pwrite(fd, view[pos:], offset + pos)
-            except OSError as e:
-                # A file system that accepted O_DIRECT at open but not this write: go buffered
-                # (once per write: another I/O thread may have switched the file already).
-                if e.errno != errno.EINVAL or refused:
-                    raise
+            except OSError as e:  # accepted O_DIRECT at open, not this write: go buffered
+                switch_to_buffered(fd, e, refused)
                 refused = True
-                flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-                if flags & _O_DIRECT:
-                    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
 
     def _raise_io_error(self) -> None:
         if self._error is not None:
