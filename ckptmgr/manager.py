@@ -384,6 +384,11 @@ class CheckpointManager(SavePath):
                         "to the interpreter's teardown", " and ".join(busy))
             return
         self._closed = True
+        self._end_groups()
+
+    def _end_groups(self) -> None:
+        """Destroy ckptmgr's process groups, newest first: the uploader's (its jobs ended), the
+        replica transfer's (after the transfer in flight), the save worker's, the caller's."""
         if self._uploads is not None:
             self._uploads.close()
             self._uploads.comm.destroy()
@@ -401,12 +406,7 @@ class CheckpointManager(SavePath):
         self._stager.release()
         if self._preempt is not None:
             self._preempt.uninstall()
-        self._caller.destroy()
-        self._worker.destroy()
-        self._caller = self._worker = Comm(None)
-        if self._uploads is not None:  # close() waited for its jobs; none starts from now on
-            self._uploads.close()
-            self._uploads.comm.destroy()
+        self._end_groups()  # close() waited for the uploader's jobs; none starts from now on
         if self._local is not None:
-            self._local.close()
+            self._local.close()  # its local writer lease
         self._durable.release()
