@@ -17,7 +17,11 @@ Call order (DCP's, per restore):
    as it completes, or else reads adjacent items with one ``preadv`` per 4 MiB (scattering into
    the destinations) and checksums each piece while it is in cache. Destinations are committed
    to the planner on the calling thread, in order, once every read of a window succeeded. Buffered
-   destinations are bounded: at most 512 MiB of buffers are held at once (a window).
+   destinations (a CUDA tensor, another dtype, a part of a stored chunk) are staged in windows of
+   at most 256 MiB, carved from two reused host buffers: while one window's chunks are copied
+   into their destinations on the calling thread, the next window is read (one reader thread), so
+   the copies to a GPU overlap the disk; at most 512 MiB of staging is held at once (or one chunk
+   larger than a window, and the window beside it only when the two fit in 512 MiB).
    Python values go to our load planners decoded (``load_value``); any other planner (DCP's
    ``DefaultLoadPlanner``) gets them as bytes it can load (``load_bytes``): ``torch.save`` of the
    decoded JSON value, or the stored pickle bytes when ``trusted``.
@@ -25,12 +29,15 @@ Call order (DCP's, per restore):
 
 from __future__ import annotations
 
+import contextvars
 import io
 import os
 import sys
 import threading
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future as _Pending
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +89,18 @@ _BATCH = 4 << 20
 _BATCH_ITEMS = 256
 _MIN_STREAM_BYTES = 64 << 20
 _MAX_BUFFERED = 512 << 20  # bytes of staging buffers held at once for non-direct destinations
+# Staged bytes per window: two windows (one being read, one being copied out) fit _MAX_BUFFERED.
+_WINDOW = _MAX_BUFFERED // 2
+# Each staged chunk starts on a cache line, which is a multiple of every dtype's element size.
+_ALIGN = 64
+PIPELINE = True
+"""Read the next window while the calling thread copies the last one out (module docstring);
+False: one window at a time (an experiment's knob for ``benchmarks/``, not a user setting)."""
+_UNPLACED = torch.empty(0, dtype=torch.uint8)  # a staged read's destination before its window
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 @dataclass
@@ -91,10 +110,74 @@ class _TensorRead:
     idx: MetadataIndex
     loc: ItemLocation
     items: list[ReadItem]
-    dest: torch.Tensor  # the destination itself (direct) or a buffer of the stored chunk
+    dest: torch.Tensor  # the destination itself (direct) or a staging buffer of the chunk
     direct: bool
+    shape: tuple[int, ...] = ()  # the stored chunk's (a staged read's buffer is carved to it)
+    dtype: torch.dtype = torch.uint8
     ok: bool = True
     hasher: Hasher | None = field(default=None, repr=False)
+
+
+class _Staging:
+    """Reused host buffers that staged reads are carved from, one buffer per window: a restore's
+    windows take turns in (at most) two buffers instead of allocating, and page-faulting, fresh
+    memory for every chunk. A window larger than :data:`_WINDOW` (one big chunk) gets a buffer
+    of its own size."""
+
+    def __init__(self, reuse: bool) -> None:
+        """``reuse``: buffers of at least a window, taken again by later windows; else each
+        window's buffer is just its size (a restore of one window)."""
+        self._reuse = reuse
+        self._free: list[torch.Tensor] = []
+
+    def size(self, window: Sequence[_TensorRead]) -> int:
+        """Bytes of the buffer ``window`` takes (0: all of its reads land in place)."""
+        if all(r.direct for r in window):
+            return 0
+        need = sum(_aligned(r.loc.length) for r in window if not r.direct)
+        return max(_WINDOW, need) if self._reuse else need
+
+    def place(self, window: Sequence[_TensorRead]) -> torch.Tensor | None:
+        """Give each staged read of ``window`` its buffer; returns the window's (None: all of
+        its reads land in place)."""
+        size = self.size(window)
+        if size == 0:
+            return None
+        buf = next((b for b in self._free if b.numel() >= size), None)
+        if buf is None:
+            if size > _WINDOW:
+                self._free.clear()  # one chunk over a window: held alone, as it was read alone
+            buf = torch.empty(size, dtype=torch.uint8)
+        else:
+            self._free.remove(buf)
+        pos = 0
+        for r in window:
+            if not r.direct:
+                r.dest = _carve(buf, pos, r.shape, r.dtype)
+                pos += _aligned(r.loc.length)
+        return buf
+
+    def release(self, window: Sequence[_TensorRead], buf: torch.Tensor | None) -> None:
+        """``window`` was copied out: its buffer takes the next window's reads."""
+        for r in window:
+            if not r.direct:
+                r.dest = _UNPLACED
+        if self._reuse and buf is not None and buf.numel() <= _WINDOW:  # larger: not kept
+            self._free.append(buf)
+
+
+def _carve(buf: torch.Tensor, pos: int, shape: tuple[int, ...], dtype: torch.dtype
+           ) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` on bytes ``[pos, ...)`` of uint8 ``buf``; a tensor of
+    its own where the dtype cannot view bytes (a dtype torch does not view as bytes)."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    try:
+        return buf[pos:pos + nbytes].view(dtype).view(shape)
+    except RuntimeError:
+        return torch.empty(shape, dtype=dtype)
 
 
 class _RangeReader:
@@ -385,7 +468,7 @@ class CkptStorageReader(StorageReader):
                     f"bytes [{loc.offset}, {loc.offset + loc.length}) of {idx.fqn!r} lie beyond "
                     f"the end of the file ({size} bytes)", loc.file)
         order = sorted(groups, key=lambda i: (located[i].file, located[i].offset))
-        window: list[_TensorRead] = []
+        windows: list[list[_TensorRead]] = [[]]
         buffered = 0
         for idx in order:
             loc, items = located[idx], groups[idx]
@@ -394,13 +477,13 @@ class CkptStorageReader(StorageReader):
                 continue
             read = self._plan_tensor(idx, loc, items, planner)
             if not read.direct:
-                if buffered + loc.length > _MAX_BUFFERED and window:
-                    self._run_window(window, planner)
-                    window, buffered = [], 0
-                buffered += loc.length
-            window.append(read)
-        if window:
-            self._run_window(window, planner)
+                if buffered + _aligned(loc.length) > _WINDOW and windows[-1]:
+                    windows.append([])
+                    buffered = 0
+                buffered += _aligned(loc.length)
+            windows[-1].append(read)
+        if windows[-1]:
+            self._run_windows(windows, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -430,16 +513,59 @@ class CkptStorageReader(StorageReader):
             if (target.device.type == "cpu" and target.dtype == dtype
                     and target.is_contiguous() and target.numel() == numel):
                 return _TensorRead(idx, loc, items, target, direct=True)
-        return _TensorRead(idx, loc, items, torch.empty(tuple(chunk.sizes), dtype=dtype),
-                           direct=False)
+        return _TensorRead(idx, loc, items, _UNPLACED, direct=False,
+                           shape=tuple(chunk.sizes), dtype=dtype)
 
-    def _run_window(self, reads: list[_TensorRead], planner: LoadPlanner) -> None:
-        """Read ``reads`` (sorted by file and offset) on up to ``num_threads`` streams, then
-        check and commit them on the calling thread, in order."""
+    def _run_windows(self, windows: list[list[_TensorRead]], planner: LoadPlanner) -> None:
+        """Read and commit ``windows`` in order; with :data:`PIPELINE` the next window is read on
+        a reader thread while the calling thread commits the last one. Every read has ended
+        before this returns or raises (no thread is left writing into a tensor)."""
+        staging = _Staging(reuse=len(windows) > 1)
+        if len(windows) == 1 or not PIPELINE:
+            for w in windows:
+                buf = staging.place(w)
+                self._fetch_window(w)
+                self._commit_window(w, planner)
+                staging.release(w, buf)
+            return
+        pending: dict[int, tuple[_Pending[None], torch.Tensor | None]] = {}
+        with ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-restore") as reader:
+
+            def start(i: int) -> None:
+                buf = staging.place(windows[i])
+                # In the caller's context: the operation's retry budget follows the reads.
+                pending[i] = (reader.submit(contextvars.copy_context().run,
+                                            self._fetch_window, windows[i]), buf)
+
+            try:
+                for i, w in enumerate(windows):
+                    if i not in pending:
+                        start(i)
+                    # The next window is read while this one is committed, unless the two
+                    # would hold more staging than _MAX_BUFFERED (a chunk over a window).
+                    nxt = i + 1
+                    if nxt < len(windows) and (
+                            staging.size(w) + staging.size(windows[nxt]) <= _MAX_BUFFERED):
+                        start(nxt)
+                    fut, buf = pending.pop(i)
+                    fut.result()
+                    self._commit_window(w, planner)
+                    staging.release(w, buf)
+            except BaseException:
+                for fut, _ in pending.values():
+                    fut.cancel()  # the one running is waited for as the executor shuts down
+                raise
+
+    def _fetch_window(self, reads: list[_TensorRead]) -> None:
+        """Read ``reads`` (sorted by file and offset) on up to ``num_threads`` streams."""
         starts = split_runs([r.loc.length for r in reads], self.num_threads, _MIN_STREAM_BYTES)
         runs = [reads[a:b] for a, b in zip(starts, [*starts[1:], len(reads)], strict=True)]
         run_streams(lambda i, stop: self._read_run(runs[i], stop), len(runs),
                     name="ckptmgr-read")
+
+    def _commit_window(self, reads: list[_TensorRead], planner: LoadPlanner) -> None:
+        """(calling thread) Check the reads of a window that was read and commit them in order:
+        a staged chunk is copied into its destinations."""
         for r in reads:
             if not r.ok:
                 raise self._corrupt(f"checksum mismatch in the bytes of {r.idx.fqn!r}", r.loc.file)
