@@ -16,7 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 GPU_CHECK = REPO / "benchmarks" / "gpu_check.sh"
-METHODS = ["floor.d2h", "floor.h2d", "floor.write", "floor.read", "dcp.save", "dcp.load",
+METHODS = ["floor.d2h", "floor.h2d", "floor.write", "floor.write_stream", "floor.read",
+           "dcp.save", "dcp.load",
            "dcp_async.returned", "dcp_async.staged", "dcp_async.total",
            "ckptmgr_thread.blocking", "ckptmgr_thread.total", "ckptmgr.restore",
            "ckptmgr_process.blocking", "ckptmgr_process.total", "compute_lost.dcp_async",
@@ -50,8 +51,12 @@ def test_gpu_check_dry_run(tmp_path: Path) -> None:
         assert name in rows and len(rows[name]["samples_s"]) == 1, name
         assert rows[name]["median_s"] >= 0, name
     assert rows["floor.d2h"]["label"].startswith("host copy (no CUDA")
-    assert len(doc["targets"]) == 8 and all(t["ratio_median"] == t["ratio_median"]
-                                            for t in doc["targets"])  # none NaN: all measured
+    assert len(doc["targets"]) == 10 and all(t["ratio_median"] == t["ratio_median"]
+                                             for t in doc["targets"])  # none NaN: all measured
+    # Writes are judged against the fastest write floor measured.
+    write_floors = [r for r in rows.values() if r["kind"] == "floor-write"]
+    assert doc["write_floor"] == min(write_floors, key=lambda r: r["median_s"])["name"]
+    assert rows["ckptmgr_thread.total"]["floor"] == doc["write_floor"]
     md = (out / "gpu_bench.md").read_text()
     for name in METHODS:
         assert f"| `{name}` |" in md, name
