@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The byte-path A/B runs of docs/performance.md ("Choosing the byte path") on another machine's
-# disk, in one command (about 3.5 minutes on a 16-core host): the two write floors, direct against
-# buffered and against the measured choice, writes in flight, the head copy, restore against
-# dcp.load and against the read floor; 1 GiB, 10 interleaved pairs each (benchmarks/ab.py).
+# Issue 28's byte-path comparisons (docs/performance.md) on another machine's disk, in one command
+# (about 4 minutes on a 16-core host): the two write floors against each other, save and
+# save_async (until committed) against the floors, the measured choice of direct or buffered
+# writes, streamed direct reads against buffered ones, restore against dcp.load and against the
+# read floor; 1 GiB, 10 interleaved pairs each (benchmarks/ab.py). With BENCH=1, then one
+# same-run bench.py (floors, torch.save, dcp, safetensors, ckptmgr; 3 repetitions).
 #
-#   OUT=/path/for/results benchmarks/disk_ab.sh      (JSON per comparison and log.txt in $OUT)
+#   OUT=/path/for/results [BENCH=1] benchmarks/disk_ab.sh   (JSON per comparison, log.txt in $OUT)
 #
 # Offline hosts: dependencies missing from the host's Python come from benchmarks/.wheels (see
 # gpu_check.sh --fetch-wheels). The scratch files go under the repository (.ab-scratch), removed
@@ -29,12 +31,17 @@ nproc; uptime
 run() { name=$1; shift; echo "== $name ($(date -u +%T))"
   timeout 60 "$py" "$repo/benchmarks/ab.py" "$@" --size 1GiB --pairs 10 --dir "$scratch" --out "$out/$name.json" 2>&1 | tail -9; }
 run floors --a floor.write_stream --b floor.write_direct
-run save-direct-vs-buffered --a "ckptmgr.storage.local.DIRECT_IO=True" --b "ckptmgr.storage.local.DIRECT_IO=False"
+run save-vs-floor-direct --a floor.write_direct --b ckptmgr.save
+run save-vs-floor-stream --a floor.write_stream --b ckptmgr.save
+run save-async-vs-floor-direct --a floor.write_direct --b ckptmgr.save_async
 run save-direct-vs-auto --a "ckptmgr.storage.local.DIRECT_IO=True" --b "ckptmgr.storage.local.DIRECT_IO=None"
-run save-threads-4-vs-8 --a "ckptmgr.storage.local.DIRECT_IO=True ckptmgr.storage.local._DIRECT_THREADS=4" --b "ckptmgr.storage.local.DIRECT_IO=True ckptmgr.storage.local._DIRECT_THREADS=8"
-run copy-heads-off-vs-on --a "ckptmgr.storage.local.DIRECT_IO=True ckptmgr.storage.local._COPY_BELOW=0" --b "ckptmgr.storage.local.DIRECT_IO=True"
-run save-threads-4-vs-1 --a "ckptmgr.storage.local.DIRECT_IO=True ckptmgr.storage.local._DIRECT_THREADS=4" --b "ckptmgr.storage.local.DIRECT_IO=True ckptmgr.storage.local._DIRECT_THREADS=1"
+run restore-buffered-vs-streamed --op ckptmgr.restore --a "ckptmgr.storage.local.DIRECT_READ=False" --b "ckptmgr.storage.local.DIRECT_READ=True"
 run restore-vs-dcp --a ckptmgr.restore --b dcp.load
 run floor-read-vs-restore --a floor.read --b ckptmgr.restore
+if [[ "${BENCH:-0}" == 1 ]]; then
+  echo "== bench.py ($(date -u +%T))"
+  timeout 200 "$py" "$repo/benchmarks/bench.py" --size 1GiB --reps 3 --warmup 1 --nice -10 \
+    --methods floors,torch,dcp,safetensors,ckptmgr --dir "$scratch" --out "$out/bench" 2>&1 | tail -40
+fi
 rm -rf "$scratch"
 echo "== done $(date -u +%T)"
