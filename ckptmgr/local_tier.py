@@ -95,6 +95,7 @@ from ckptmgr.errors import (
     LeaseError,
     SaveError,
     StorageError,
+    UnsafeCheckpointError,
 )
 from ckptmgr.info import StepInfo
 from ckptmgr.lease import Lease
@@ -103,7 +104,7 @@ from ckptmgr.step_store import CommitPlan, StepStore
 from ckptmgr.storage import Storage, is_not_found, open_storage, redact_url, split_scheme
 
 __all__ = ["LAYOUT_KEY", "UPLOAD_KEY", "LocalTier", "check_local_path", "durable_root_key",
-           "local_view"]
+           "is_read_failure", "local_view"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -157,11 +158,14 @@ def local_view(flat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
 @dataclass(frozen=True)
 class _Held:
     """What one rank reports about one of its local steps: whether it verifies, and which save
-    wrote it (None: a step written before save ids existed)."""
+    wrote it (None: a step written before save ids existed). ``unread``: it does not verify
+    because a read failed (an I/O error), not because what was read is wrong; ``save`` is then
+    the one its manifest names, if that was read."""
 
     step: int
     ok: bool
     save: str | None = None
+    unread: bool = False
 
 
 # What one rank reports: its own steps, and the replicas it holds as (source rank, step).
@@ -227,6 +231,9 @@ def _shown_root_key(url: str) -> str:
     return url.rstrip("/") or url
 
 
+# How a verification of a rank's copy ends (:meth:`LocalTier._check_in`).
+_OK, _DAMAGED, _IO_ERROR = "ok", "damaged", "io-error"
+
 _UNREAD = "unknown: its manifest cannot be read now"
 """What :meth:`LocalTier._classify` gives for a step whose manifest cannot be read (an I/O
 error): whose it is cannot be told, so it is treated as another root's until it reads again."""
@@ -257,6 +264,12 @@ class LocalTier:
         self._planners = SavePlanners()
         self._warned = False
         self._bad: set[int] = set()  # this rank's committed steps that did not verify
+        # Of those, the ones whose verification failed by an I/O error (not by what was read):
+        # step -> the save its manifest names (None: not read). Kept while owed: _in_doubt.
+        self._read_failed: dict[int, str | None] = {}
+        # Agreed: steps owed their durable copy that are not whole only because some rank could
+        # not read its own part (step -> the save); never listed, but uploadable (_in_doubt).
+        self._doubt: dict[int, str | None] = {}
         self._saves: dict[int, str | None] = {}  # this rank's committed steps: their save ids
         self._agreed_saves: dict[int, str | None] = {}  # whole steps: the save every rank holds
         self._session = ""  # agreed when the tier opens; with _num_saves, names each save
@@ -323,6 +336,7 @@ class LocalTier:
             tier._session = comm.broadcast(f"{time.time_ns():x}.{new_attempt_id()}")
             gathered: list[_Report] = comm.all_gather(held)
             tier._agreed_saves, tier._holders_of = _whole(gathered, comm.world_size)
+            tier._doubt = _in_doubt(gathered, comm.world_size, tier._agreed_saves)
             # Listed as local retention keeps them: the newest ``max_to_keep`` whole steps that
             # no rank recorded as dropped. The dropped ones (kept on disk for their durable
             # copy) are not counted: a newer step damaged since must not bring one back. Older
@@ -334,7 +348,13 @@ class LocalTier:
                      if (s, save) not in tier._dropped]
             tier.steps = whole[-tier.max_to_keep:]
             tier._void.update(s for s in tier._agreed_saves if s not in tier.steps)
-            tier._drop({s: tier._agreed_saves[s] for s in whole[:-tier.max_to_keep]})
+            # A step some rank could not read (an I/O error) was not whole when the ranks
+            # agreed: never listed from this tier, now or after a restart (recorded), but its
+            # owed durable copy is still made from it (upload_candidates; the copy's reads check
+            # every byte) and its files stay while it is owed (_agree_and_prune).
+            tier._void.update(tier._doubt)
+            tier._drop({s: tier._agreed_saves[s] for s in whole[:-tier.max_to_keep]}
+                       | tier._doubt)
             if tier.replicas:
                 tier._open_replicas(comm, gathered, replica_comm)
         except BaseException:
@@ -451,10 +471,12 @@ class LocalTier:
             if other is not None:  # not read further: it is never ours to verify or delete
                 self._foreign[step] = other
                 continue
-            ok = self._verifies(step)
-            held.append(_Held(step, ok, self._saves.get(step)))
-            if not ok:
+            status, save = self._verifies(step)
+            held.append(_Held(step, status == _OK, save, unread=status == _IO_ERROR))
+            if status != _OK:
                 self._bad.add(step)
+            if status == _IO_ERROR:
+                self._read_failed[step] = save
         reps: list[tuple[int, _Held]] = []
         for src in self._replica_sources() if self.replicas else ():
             store = self._rep_store(src)
@@ -520,21 +542,32 @@ class LocalTier:
                         "retention (%s): after a restart they may be listed again if a newer "
                         "step is lost", self.root, sorted(s for s, _ in new), e)
 
-    def _verifies(self, step: int) -> bool:
-        """Whether this rank's copy of ``step`` is ours, for this rank and world size, and every
-        file has the size and checksum of the manifest (reads every byte). Records its save id."""
+    def _verifies(self, step: int) -> tuple[str, str | None]:
+        """:meth:`_check_in` of this rank's own copy of ``step``; records its save id when it
+        verifies."""
         assert self.store is not None
-        ok, save = self._verify_in(self.store, step, self.rank)
-        if ok:
+        status, save = self._check_in(self.store, step, self.rank)
+        if status == _OK:
             self._saves[step] = save
-        return ok
+        return status, save
 
     def _verify_in(self, store: StepStore, step: int, owner: int) -> tuple[bool, str | None]:
         """Whether ``store``'s copy of ``step`` is rank ``owner``'s part for this world size and
         every file has the size and checksum of the manifest (reads every byte); its save id."""
+        status, save = self._check_in(store, step, owner)
+        return status == _OK, save if status == _OK else None
+
+    def _check_in(self, store: StepStore, step: int, owner: int) -> tuple[str, str | None]:
+        """How ``store``'s copy of ``step`` verifies as rank ``owner``'s part for this world
+        size, every file with the size and checksum of its manifest (reads every byte):
+        ``_OK``; ``_DAMAGED`` (what was read is wrong, or a file is missing: a finding); or
+        ``_IO_ERROR`` (a read failed: nothing is known about the bytes). With the save id its
+        manifest names (None: none, or the manifest was not read)."""
+        save: str | None = None
         try:
             m = store.read_manifest(step)
-            save = self._check_owner(m, owner).get("save")
+            named = self._check_owner(m, owner).get("save")
+            save = named if isinstance(named, str) else None
             storage, sdir = store.storage, step_dir_name(step)
             for entry in m.files:
                 path = join(sdir, entry.path)
@@ -550,10 +583,13 @@ class LocalTier:
                 if h.value() != entry.checksum:
                     raise CorruptCheckpointError(f"{entry.path}: checksum differs",
                                                  path=entry.path)
-        except (CkptmgrError, StorageError) as e:
-            log.warning("local tier %s: step %d does not verify: %s", store.url, step, e)
-            return False, None
-        return True, save if isinstance(save, str) else None
+        except (CkptmgrError, OSError) as e:  # StorageError is an OSError
+            io = is_read_failure(e)
+            log.warning("local tier %s: step %d does not verify: %s%s", store.url, step, e,
+                        " (a read failed: nothing is known to be wrong with its files)" if io
+                        else "")
+            return (_IO_ERROR if io else _DAMAGED), save
+        return _OK, save
 
     def other_root(self, m: Manifest) -> str | None:
         """The durable root local step ``m`` belongs to when it is not this run's, else None.
@@ -704,6 +740,7 @@ class LocalTier:
         failed = {r: CkptmgrError(e) for r, e in enumerate(errors) if e is not None}
         if failed:  # its last save failed somewhere: not whole anywhere, whatever each holds
             self._bad.add(step)
+            self._read_failed.pop(step, None)  # known: no rank's copy is the save given
             self._void.add(step)  # nor by the replicas of an older save of it
         else:
             self._void.discard(step)
@@ -823,6 +860,7 @@ class LocalTier:
                 raise CkptmgrError(f"{self.root} holds another durable root's ({other}) local "
                                    f"step {step}; it is left alone")
         self._saves.pop(step, None)  # from here on this rank may hold neither version whole
+        self._read_failed.pop(step, None)
         plan: CommitPlan | None = self.store.begin_save(
             step, forced=False, overwrite=True, world_size=1, metrics=metrics,
             metadata={**metadata, LAYOUT_KEY: info}, on_exists="skip")
@@ -842,7 +880,16 @@ class LocalTier:
     def _agree_and_prune(self, comm: Comm) -> None:
         """(collective) Agree on the whole steps; then delete every other step of this rank:
         those beyond the ``max_to_keep`` newest whole ones (a newer step committed on every
-        rank) and those that are not whole (not restorable from this tier)."""
+        rank) and those that are not whole (not restorable from this tier).
+
+        Never deleted, besides the whole steps kept: a step owed to the durable tier (this
+        rank's :attr:`owed`) whose own copy here is not known to be damaged; and, on every rank
+        alike, a step some rank reports owed that is not whole only because some rank could
+        not read its own part (an I/O error, not a finding: :func:`_in_doubt`), with its
+        replicas. Such a step is kept until its copy is made (then it is owed no more) or a
+        rank finds its part damaged, missing or another save; a read error alone never loses
+        the only copy of a checkpoint. Its upload reads every byte again (a read that fails
+        again fails the upload, and the step stays owed)."""
         mine: list[int] = []
         listed = self.store is not None
         if self.store is not None:
@@ -867,7 +914,8 @@ class LocalTier:
                 log.warning("local tier %s: listing failed: %s", self.root, e)
         for s in [s for s in mine if s not in self._saves and s not in self._bad]:
             self._bad.add(s)  # committed here, but by no save this rank knows: not trusted
-        held = [_Held(s, s not in self._bad, self._saves.get(s)) for s in mine]
+        held = [_Held(s, s not in self._bad, self._read_failed[s] if s in self._read_failed
+                      else self._saves.get(s), unread=s in self._read_failed) for s in mine]
         reps: dict[int, list[int]] = {}
         foreign_reps: dict[tuple[int, int], str] = {}
         for src in self._replica_sources() if self.replicas else ():
@@ -893,9 +941,22 @@ class LocalTier:
         self._foreign_reps = foreign_reps
         rep_held = [(src, _Held(s, (src, s) in self._rep_saves, self._rep_saves.get((src, s))))
                     for src, steps in reps.items() for s in steps]
-        gathered = comm.all_gather(((held, rep_held), listed, sorted(self._foreign)))
+        # ``owed`` changes on the uploader's thread: a copy (atomic under the GIL).
+        gathered = comm.all_gather(((held, rep_held), listed, sorted(self._foreign),
+                                    sorted(self.owed.copy())))
         whole, holders_of = _whole([g[0] for g in gathered], comm.world_size, self._void)
         self._collide = {s for g in gathered for s in g[2]}
+        # Kept on every rank alike (from the reports, never one rank's view): owed on some
+        # rank, and not whole only because a rank could not read its part.
+        self._doubt = _in_doubt([g[0] for g in gathered], comm.world_size, whole)
+        owed_any = {s for g in gathered for s in g[3]}
+        kept = {s: v for s, v in self._doubt.items() if s in owed_any}
+        for s in sorted(kept):
+            unread = [r for r, g in enumerate(gathered) if any(
+                h.step == s and h.unread for h in g[0][0])]
+            log.warning("local tier %s: step %d is owed to the durable tier and rank(s) %s "
+                        "could not read its part (an I/O error): kept on every rank until its "
+                        "durable copy is made; check the disk", self.root, s, unread)
         self.steps = sorted(whole)[-self.max_to_keep:]
         # A whole step retention drops is never listed again unless re-saved (alike on every
         # rank: ``whole`` is agreed), even while its files stay: a step owed to the durable tier
@@ -923,6 +984,8 @@ class LocalTier:
         for s in mine:  # every removal goes through the store's fenced door
             if s in self.owed and s not in self._bad:
                 continue  # the durable tier is still owed its copy (ckptmgr.uploader)
+            if s in kept:
+                continue  # owed, and no part of it is known to be bad: a read may work later
             if s in self.steps and s not in self._bad and self._saves.get(
                     s, "-") == self._agreed_saves[s]:
                 continue  # (a copy of another save of a whole step is deleted: not restorable)
@@ -930,6 +993,7 @@ class LocalTier:
                 self.store.delete_step(s)
                 self._bad.discard(s)
                 self._saves.pop(s, None)
+                self._read_failed.pop(s, None)
                 log.info("local retention deleted step %d from %s", s, self.root)
             except LeaseError as e:
                 log.error("local tier %s: retention stopped: %s", self.root, e)
@@ -942,15 +1006,19 @@ class LocalTier:
             self.store.remove_leftovers(self.store.scan())
         except CkptmgrError as e:
             log.warning("local tier %s: could not remove leftovers: %s", self.root, e)
-        self._prune_replicas(reps)
+        self._prune_replicas(reps, kept)
 
-    def _prune_replicas(self, reps: dict[int, list[int]]) -> None:
+    def _prune_replicas(self, reps: dict[int, list[int]], kept: Mapping[int, str | None]
+                        ) -> None:
         """Delete the replicas held here that are not a verified copy of a kept whole step's
-        agreed save (with their step, by retention, or another save), and crashed transfers."""
+        agreed save (with their step, by retention, or another save), and crashed transfers.
+        The replicas of ``kept`` steps (owed, in doubt) stay while they do."""
         for src, steps in reps.items():
             store = self._rep_store(src)
             for s in steps:
                 if s in self.steps and self._rep_saves.get((src, s), "-") == self._agreed_saves[s]:
+                    continue
+                if s in kept:
                     continue
                 try:
                     store.delete_step(s)
@@ -972,6 +1040,7 @@ class LocalTier:
         """(every rank alike) ``step`` is no longer whole here: not listed, not restored, and
         deleted at the next local save's agreement."""
         self._bad.add(step)
+        self._read_failed.pop(step, None)  # known not to be kept: not in doubt (_in_doubt)
         self._void.add(step)
         if step in self._agreed_saves:  # nor after a restart, while its files stay
             self._drop({step: self._agreed_saves[step]})
@@ -1001,8 +1070,10 @@ class LocalTier:
             return None
         why, verified = self._fetch(step, comm, verify_bytes=not fallback) if (
             self.replicas) else (None, False)
-        why = why or self._readable(step, state_dict, verify_bytes=not (fallback or verified))
-        if not self._agreed(comm, why, step, "before reading"):
+        io = False
+        if why is None:
+            why, io = self._readable(step, state_dict, verify_bytes=not (fallback or verified))
+        if not self._agreed(comm, why, step, "before reading", io=io):
             return None
         err: str | None = None
         nbytes = 0
@@ -1010,8 +1081,8 @@ class LocalTier:
             nbytes = self._load(step, state_dict, allow_partial=allow_partial, trusted=trusted,
                                 verify=verify)
         except Exception as e:  # any rank's failure must reach the agreement, not hang it
-            err = f"{type(e).__name__}: {e}"
-        if not self._agreed(comm, err, step, "while reading"):
+            err, io = f"{type(e).__name__}: {e}", is_read_failure(e)
+        if not self._agreed(comm, err, step, "while reading", io=io):
             return None
         log.info("restored step %d from the local tier %s (%d bytes read on this rank)", step,
                  self.root, nbytes)
@@ -1085,9 +1156,16 @@ class LocalTier:
                 else "The target state was not changed; ") + f"restore another step: {available}",
             step=step)
 
-    def _agreed(self, comm: Comm, why: str | None, step: int, when: str) -> bool:
-        whys = comm.all_gather(why)
-        bad = {r: w for r, w in enumerate(whys) if w is not None}
+    def _agreed(self, comm: Comm, why: str | None, step: int, when: str, *,
+                io: bool = False) -> bool:
+        """(collective) Whether every rank could (``why`` None here); if not, ``step`` is
+        whole no more on every rank (not listed or restored from this tier unless saved again).
+        ``io``: this rank's failure was a read that failed (an I/O error), not a finding. When
+        every failure was one, nothing is known to be wrong with any part: the ranks that could
+        not read keep theirs as unread and the others as good, so an owed step stays on every
+        rank (:meth:`_agree_and_prune`); else every rank's copy goes at the next local save."""
+        whys = comm.all_gather((why, io))
+        bad = {r: w for r, (w, _) in enumerate(whys) if w is not None}
         if not bad:
             return True
         self.last_failure = "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
@@ -1096,35 +1174,43 @@ class LocalTier:
                     "restores the durable tier instead", step, when,
                     "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items())))
         self.steps = [s for s in self.steps if s != step]
-        self._bad.add(step)  # on every rank: it never becomes whole again unless re-saved
-        self._void.add(step)
+        self._void.add(step)  # on every rank: it never becomes whole again unless re-saved
+        if not all(failed_io for w, failed_io in whys if w is not None):
+            self._bad.add(step)  # a finding on some rank: deleted everywhere, as it always was
+            self._read_failed.pop(step, None)
+        elif why is not None:
+            self._bad.add(step)
+            self._read_failed[step] = self._agreed_saves.get(step)
         return False
 
     def _readable(self, step: int, state_dict: Mapping[str, Any], *,
-                  verify_bytes: bool) -> str | None:
+                  verify_bytes: bool) -> tuple[str | None, bool]:
         """Why this rank cannot read ``step`` from its local tier, or None (reads no data unless
-        ``verify_bytes``)."""
+        ``verify_bytes``); and whether that is a read that failed (an I/O error)."""
         assert self.store is not None
         try:
             m = self.store.read_manifest(step)
             info = self._check_owner(m)
             save = info.get("save")
             if (save if isinstance(save, str) else None) != self._agreed_saves.get(step):
-                return "it holds another save of this step than the ranks agreed on"
-            if verify_bytes and not self._verifies(step):
-                return "its files do not match their sizes and checksums"
+                return "it holds another save of this step than the ranks agreed on", False
+            status = self._verifies(step)[0] if verify_bytes else _OK
+            if status == _IO_ERROR:
+                return "a read of its files failed (an I/O error)", True
+            if status != _OK:
+                return "its files do not match their sizes and checksums", False
             files = self.store.storage.list_files(step_dir_name(step))
             for entry in m.files:
                 if files.get(entry.path) != entry.size:
-                    return f"{entry.path} is missing or has another size"
+                    return f"{entry.path} is missing or has another size", False
             saved = info.get("dtensors", {})
             _, layout = local_view(flatten_state(state_dict).flat)
             for key in sorted(set(layout) | set(saved)):
                 if key in layout and key in saved and layout[key] != saved[key]:
-                    return f"{key} is sharded differently than when it was saved"
+                    return f"{key} is sharded differently than when it was saved", False
         except (CkptmgrError, StorageError, TypeError) as e:
-            return f"{type(e).__name__}: {e}"
-        return None
+            return f"{type(e).__name__}: {e}", is_read_failure(e)
+        return None, False
 
     def _load(self, step: int, state_dict: Mapping[str, Any], *, allow_partial: bool,
               trusted: bool, verify: bool) -> int:
@@ -1179,8 +1265,10 @@ class LocalTier:
 
     def upload_candidates(self) -> list[int]:
         """(ckptmgr.uploader, at construction) The whole steps, listed or not: an older whole
-        step is no longer listed, but its durable copy may still be owed."""
-        return sorted(self._agreed_saves)
+        step is no longer listed, but its durable copy may still be owed; and the steps not
+        whole only because some rank could not read its part (an I/O error): their copy reads
+        every byte again."""
+        return sorted({*self._agreed_saves, *self._doubt})
 
     def upload_source(self, step: int, *, agreed: bool = False) -> tuple[Any, str]:
         """(ckptmgr.uploader) This rank's own committed ``step`` as its durable copy is made
@@ -1200,11 +1288,15 @@ class LocalTier:
         assert self.store is not None
         source = read_restore_source(self.store, step, verify=True)
         save = self._check_owner(source.manifest).get("save")
-        if agreed and (step in self._bad
-                       or self._saves.get(step, "-") != self._agreed_saves.get(step)):
+        want = self._agreed_saves[step] if step in self._agreed_saves else self._doubt.get(
+            step, "-")
+        # A copy this rank could not read (an I/O error) of a step in doubt: its manifest
+        # (read now) names the save; the upload checks every byte as it reads them.
+        if agreed and (save != want if step in self._read_failed else (
+                step in self._bad or self._saves.get(step, "-") != want)):
             raise CorruptCheckpointError(
                 f"this rank's own copy of local step {step} ({save}) is damaged or another save "
-                f"than the one every rank agreed on ({self._agreed_saves.get(step)})", step=step)
+                f"than the one every rank agreed on ({want})", step=step)
         return source, os.path.join(self.root, step_dir_name(step))
 
 
@@ -1217,6 +1309,40 @@ def _save_order(save: str | None) -> tuple[int, int, str]:
         return (int(clock, 16) if dot else 0, int(count), save or "")
     except ValueError:
         return (0, 0, save or "")
+
+
+def is_read_failure(e: BaseException) -> bool:
+    """Whether ``e`` says that a read failed (an I/O error other than a missing file, or an
+    error caused by one), not what was read: a size or checksum mismatch, a missing file, a
+    manifest that does not decode are findings."""
+    if isinstance(e, (CorruptCheckpointError, UnsafeCheckpointError, CheckpointNotFoundError)):
+        return False
+    cause = e if isinstance(e, OSError) else e.__cause__
+    return isinstance(cause, OSError) and not is_not_found(cause)
+
+
+def _in_doubt(reports: list[_Report], world_size: int, whole: Mapping[int, str | None]
+              ) -> dict[int, str | None]:
+    """Steps not ``whole`` only because some rank could not read its own part (an I/O error,
+    :attr:`_Held.unread`): every rank holds its own copy, each verified or unread, all of one
+    save (an unread copy whose manifest was not read matches any), at least one unread;
+    step -> that save. Own copies only: a durable copy reads each rank's own part."""
+    own: dict[int, list[_Held]] = {}
+    for held, _ in reports:
+        for h in held:
+            own.setdefault(h.step, []).append(h)
+    out: dict[int, str | None] = {}
+    for s, hs in sorted(own.items()):
+        if (s in whole or len(hs) != world_size or not any(h.unread for h in hs)
+                or not all(h.ok or h.unread for h in hs)):
+            continue
+        saves = {h.save for h in hs if h.ok or h.save is not None}
+        if len(saves) != 1:
+            continue
+        (save,) = saves
+        if save is not None or world_size == 1:  # as in _whole
+            out[s] = save
+    return out
 
 
 def _whole(reports: list[_Report], world_size: int, void: set[int] | frozenset[int] = frozenset()

@@ -73,7 +73,7 @@ from ckptmgr.errors import (
     SaveError,
     UnsafeCheckpointError,
 )
-from ckptmgr.local_tier import LAYOUT_KEY, UPLOAD_KEY, LocalTier
+from ckptmgr.local_tier import LAYOUT_KEY, UPLOAD_KEY, LocalTier, is_read_failure
 
 __all__ = ["UploadJob", "Uploader", "mapped_state"]
 
@@ -421,17 +421,30 @@ class Uploader:
         durable tier that it lacks and that are newer than its newest step (an upload a
         restart interrupted, or a preemption's durable save the grace period did not allow),
         where every rank holds its own copy of the agreed save (an upload reads no replica,
-        nor a stale node's copy of another save). Returns them."""
+        nor a stale node's copy of another save). Returns them.
+
+        A rank that cannot read its copy now (an I/O error, not a finding) cannot tell: the
+        step is queued when some rank finds it due and none finds otherwise (a missing or
+        damaged part, another save, another root, not due); its copy reads every byte again
+        and, failing, leaves it owed. So are the steps not whole only because a rank could not
+        read its part when the tier opened (:meth:`LocalTier.upload_candidates`). A step left
+        out here is owed nothing: local retention deletes it at the next save."""
         view = self._main.view  # agreed
         newest = max(view.records, default=-1)
-        mine = []
+        due: list[int] = []
+        refused: list[int] = []
         for s in self._local.upload_candidates():
             if s <= newest or view.holds(s):
                 continue
             try:
                 source, _ = self._local.upload_source(s, agreed=True)
-            except Exception as e:  # not this rank's own copy: the ranks agree below
-                log.info("local step %d is not uploaded from this rank: %s", s, e)
+            except Exception as e:  # the ranks agree below
+                if is_read_failure(e):
+                    log.warning("local step %d: this rank cannot read its copy now (%s); it is "
+                                "copied if the other ranks find it due", s, e)
+                else:
+                    log.info("local step %d is not uploaded from this rank: %s", s, e)
+                    refused.append(s)
                 continue
             # Another job's root (a new run given the same local_path) is never written to: a
             # step of another root is not a candidate (nor read: upload_source refuses it).
@@ -439,9 +452,12 @@ class Uploader:
             if other is not None:
                 log.info("local step %d is due on another root (%s), not %s: not uploaded", s,
                          other, self._main.url)
-            elif isinstance(source.manifest.metadata.get(UPLOAD_KEY), dict):
-                mine.append(s)
-        steps = sorted(set.intersection(*(set(m) for m in caller.all_gather(mine))))
+            if other is None and isinstance(source.manifest.metadata.get(UPLOAD_KEY), dict):
+                due.append(s)
+            else:
+                refused.append(s)
+        told = caller.all_gather((due, refused))
+        steps = sorted({s for d, _ in told for s in d} - {s for _, r in told for s in r})
         for s in steps:
             log.info("local step %d is due on the durable tier %s and missing there: uploading "
                      "it in the background", s, self._main.url)

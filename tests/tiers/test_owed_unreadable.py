@@ -1,0 +1,163 @@
+"""A local step owed to the durable tier that one rank cannot read for a while (an I/O error,
+not a positive finding) is never deleted for it: kept on every rank until uploaded.
+
+Real gloo ranks, real local files; the fault is the smallest one that makes it: this rank's
+reads of one local step's files (its manifest excepted) raise EIO, as a flaky disk's would.
+"""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _procs import run_ranks
+
+import ckptmgr
+from ckptmgr import AsyncSaveError
+from ckptmgr.errors import CorruptCheckpointError, StorageError
+
+
+def _state(step: int) -> dict[str, Any]:
+    # The same on every rank: the durable copy holds one replicated tensor, restored anywhere.
+    return {"w": torch.full((32,), float(step)), "extra": {"step": step}}
+
+
+def _target() -> dict[str, Any]:
+    return {"w": torch.zeros(32), "extra": {"step": -1}}
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return torch.equal(a["w"], b["w"]) and a["extra"] == b["extra"]
+
+
+def _unreadable(nodes: str, step: int, times: int | None) -> None:
+    """This process's reads of local ``step``'s files under ``nodes`` (its manifest excepted,
+    so that whose step it is can still be told) fail with EIO: the first ``times`` of them, or
+    every one (None)."""
+    from ckptmgr.storage import local
+
+    real = local.LocalStorage.read_bytes
+    left = [times]
+
+    def read_bytes(self: Any, path: str, start: int = 0, length: int | None = None) -> bytes:
+        if (self.root.startswith(nodes) and path.startswith(f"{step}/")
+                and not path.endswith("/commit.json") and left[0] != 0):
+            if left[0] is not None:
+                left[0] -= 1
+            raise StorageError(f"read failed for {self.url}/{path} (injected)") from OSError(
+                errno.EIO, "Input/output error (injected)", path)
+        return real(self, path, start, length)
+
+    local.LocalStorage.read_bytes = read_bytes  # type: ignore[method-assign]
+
+
+def _no_retry_wait() -> None:
+    """Uploads in this process retry at once (the tries are what matters, not the wait)."""
+    from ckptmgr import uploader
+
+    real = uploader.Uploader.__init__
+
+    def init(self: Any, *args: Any, **kw: Any) -> None:
+        real(self, *args, **kw)
+        self.retry_s = 0.0
+
+    uploader.Uploader.__init__ = init  # type: ignore[method-assign]
+
+
+def _phase(rank: int, world: int, durable: str, nodes: str, phase: str,
+           times: int | None) -> dict[str, Any]:
+    kw: dict[str, Any] = {"local_interval": 5, "local_path": f"{nodes}/node{rank}"}
+    own = Path(nodes, f"node{rank}", f"rank-{rank}")
+    _no_retry_wait()
+    if phase in ("save", "restore"):  # step 10 saved on the local tier, its upload never runs
+        with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
+            assert mgr._uploads is not None
+            mgr._uploads.close()  # as if the job died before the upload
+            mgr.save_async(10, _state(10))
+            if phase == "save":
+                return {}
+            mgr.join()  # committed locally (its upload never runs)
+            # Restored while owed: rank 1's read fails once, so the restore fails on every
+            # rank (the local tier alone holds it); the next local save must keep it.
+            if rank == 1 and times == 0:  # a flipped byte instead: a finding, not a read error
+                data = next(p for p in (own / "10").iterdir() if p.name.startswith("data-"))
+                raw = bytearray(data.read_bytes())
+                raw[len(raw) // 2] ^= 0x40
+                data.write_bytes(bytes(raw))
+            elif rank == 1:
+                _unreadable(nodes, 10, 1)
+            with pytest.raises(CorruptCheckpointError) as err:
+                mgr.restore(10, _target())
+            mgr.save_async(15, _state(15))
+            mgr.join()
+            return {"kept": (own / "10" / "commit.json").exists(), "all": mgr.all_steps(),
+                    "why": str(err.value)}
+    if phase == "flaky" and rank == 1:
+        _unreadable(nodes, 10, times)
+    failed = None
+    with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
+        for step in (15, 25):  # local only: each save's agreement applies local retention
+            mgr.save_async(step, _state(step))
+            try:
+                mgr.join()
+            except AsyncSaveError as e:
+                failed = str(e)
+        target = _target()
+        restored = 10 in mgr.all_steps() and mgr.restore(10, target) is None
+        return {"failed": failed, "kept": (own / "10" / "commit.json").exists(),
+                "all": mgr.all_steps(), "restored": restored,
+                "exact": _equal(target, _state(10))}
+
+
+def _durable_steps(durable: str) -> list[int]:
+    with ckptmgr.CheckpointManager(durable, save_interval=10, read_only=True) as reader:
+        return reader.all_steps()
+
+
+@pytest.mark.parametrize("times", [1, None], ids=["once", "until-restart"])
+def test_an_owed_step_one_rank_cannot_read_is_kept_and_uploaded(tmp_path: Path,
+                                                               times: int | None) -> None:
+    # Step 10 is owed to the durable tier (its upload never ran). At the restart, rank 1's
+    # read of its own copy fails with EIO: once (the restart's upload reads it), or every time
+    # until the next restart. Before the fix the step was not whole, so not uploaded, and the
+    # next local save's retention deleted it on both ranks: the only copy was lost.
+    durable, nodes = str(tmp_path / "durable"), str(tmp_path / "nodes")
+    run_ranks(_phase, 2, durable, nodes, "save", None, timeout_s=120)
+    res = run_ranks(_phase, 2, durable, nodes, "flaky", times, timeout_s=120)
+    if times == 1:  # uploaded by the restart: restored from the durable tier
+        for r in res:
+            assert r["failed"] is None and r["restored"] and r["exact"], r
+        assert _durable_steps(durable) == [10]
+        return
+    # Its upload failed (raised once), its files stay on both ranks; never listed meanwhile.
+    for r in res:
+        assert r["failed"] is not None and "step 10" in r["failed"], r
+        assert r["kept"] and r["all"] == [15, 25], r
+    assert _durable_steps(durable) == []
+    res = run_ranks(_phase, 2, durable, nodes, "fixed", None, timeout_s=120)
+    for r in res:
+        assert r["failed"] is None and r["restored"] and r["exact"], r
+    assert _durable_steps(durable) == [10]
+
+
+@pytest.mark.parametrize("damaged", [False, True], ids=["read-error", "flipped-byte"])
+def test_an_owed_step_whose_restore_failed_on_a_read_error_is_kept(tmp_path: Path,
+                                                                  damaged: bool) -> None:
+    # Step 10 is owed (its upload never runs in this job) and held only by the local tier. Its
+    # restore fails because rank 1's read fails once: not restorable in this job, but before
+    # the fix every rank deleted its part at the next local save. Now every rank keeps it; the
+    # restart reads it whole and uploads it. A part found damaged (a flipped byte) is a
+    # finding: the step goes on every rank at the next local save, as before.
+    durable, nodes = str(tmp_path / "durable"), str(tmp_path / "nodes")
+    res = run_ranks(_phase, 2, durable, nodes, "restore", 0 if damaged else 1, timeout_s=120)
+    assert [(r["kept"], r["all"]) for r in res] == [(not damaged, [15])] * 2, res
+    why = "sizes and checksums" if damaged else "rank 1: a read of its files failed (an I/O error)"
+    assert all(why in r["why"] for r in res), res
+    res = run_ranks(_phase, 2, durable, nodes, "fixed", None, timeout_s=120)
+    for r in res:
+        assert r["failed"] is None and r["restored"] is not damaged, r
+        assert damaged or r["exact"], r
+    assert _durable_steps(durable) == ([] if damaged else [10])
