@@ -433,6 +433,7 @@ class Uploader:
         newest = max(view.records, default=-1)
         due: list[int] = []
         refused: list[int] = []
+        unsure: list[int] = []
         for s in self._local.upload_candidates():
             if s <= newest or view.holds(s):
                 continue
@@ -442,6 +443,7 @@ class Uploader:
                 if is_read_failure(e):
                     log.warning("local step %d: this rank cannot read its copy now (%s); it is "
                                 "copied if the other ranks find it due", s, e)
+                    unsure.append(s)
                 else:
                     log.info("local step %d is not uploaded from this rank: %s", s, e)
                     refused.append(s)
@@ -456,8 +458,18 @@ class Uploader:
                 due.append(s)
             else:
                 refused.append(s)
-        told = caller.all_gather((due, refused))
-        steps = sorted({s for d, _ in told for s in d} - {s for _, r in told for s in r})
+        told = caller.all_gather((due, refused, unsure))
+        no = {s for _, r, _ in told for s in r}
+        steps = sorted({s for d, _, _ in told for s in d} - no)
+        # No rank could tell (every read failed): not copied (it may not be due), but kept
+        # from local retention as a failed copy is, until a newer step reaches the durable
+        # tier or a restart looks again.
+        for s in sorted({s for _, _, u in told for s in u} - no - set(steps)):
+            log.warning("local step %d: no rank can read its copy now; it is kept on the local "
+                        "tier until a newer step reaches the durable tier %s, or a restart "
+                        "copies it", s, self._main.url)
+            self._local.owed.add(s)
+            self._failed_steps.add(s)
         for s in steps:
             log.info("local step %d is due on the durable tier %s and missing there: uploading "
                      "it in the background", s, self._main.url)

@@ -8,6 +8,7 @@ reads of one local step's files (its manifest excepted) raise EIO, as a flaky di
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,11 @@ def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return torch.equal(a["w"], b["w"]) and a["extra"] == b["extra"]
 
 
-def _unreadable(nodes: str, step: int, times: int | None) -> None:
+def _unreadable(nodes: str, step: int, times: int | None,
+                patch: Callable[[Any, str, Any], None] = setattr) -> None:
     """This process's reads of local ``step``'s files under ``nodes`` (its manifest excepted,
     so that whose step it is can still be told) fail with EIO: the first ``times`` of them, or
-    every one (None)."""
+    every one (None). ``patch``: how (``monkeypatch.setattr`` in the test's own process)."""
     from ckptmgr.storage import local
 
     real = local.LocalStorage.read_bytes
@@ -51,7 +53,7 @@ def _unreadable(nodes: str, step: int, times: int | None) -> None:
                 errno.EIO, "Input/output error (injected)", path)
         return real(self, path, start, length)
 
-    local.LocalStorage.read_bytes = read_bytes  # type: ignore[method-assign]
+    patch(local.LocalStorage, "read_bytes", read_bytes)
 
 
 def _no_retry_wait() -> None:
@@ -161,3 +163,33 @@ def test_an_owed_step_whose_restore_failed_on_a_read_error_is_kept(tmp_path: Pat
         assert r["failed"] is None and r["restored"] is not damaged, r
         assert damaged or r["exact"], r
     assert _durable_steps(durable) == ([] if damaged else [10])
+
+
+def test_an_owed_step_no_rank_can_read_is_kept_until_a_restart_can(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One rank (the whole job) cannot read step 10's files (its manifest aside) after the
+    # restart: whether it is due cannot be told, so it is not copied, but it is kept (the next
+    # local saves do not delete it) until a restart reads it and copies it.
+    durable, nodes = str(tmp_path / "durable"), str(tmp_path / "nodes")
+    own = Path(nodes, "node0", "rank-0")
+    kw: dict[str, Any] = {"save_interval": 10, "local_interval": 5,
+                          "local_path": f"{nodes}/node0"}
+    with ckptmgr.CheckpointManager(durable, **kw) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.close()  # as if the job died before the upload
+        mgr.save_async(10, _state(10))
+    _unreadable(nodes, 10, None, monkeypatch.setattr)
+    with ckptmgr.CheckpointManager(durable, **kw) as mgr:
+        for step in (15, 25):
+            mgr.save_async(step, _state(step))
+        mgr.join()
+        assert mgr.all_steps() == [15, 25]
+        assert (own / "10" / "commit.json").exists()
+    monkeypatch.undo()
+    with ckptmgr.CheckpointManager(durable, **kw) as mgr:
+        mgr.join()
+        assert mgr.step_info(10).tiers == ("durable",)  # copied; never listed locally again
+        target = _target()
+        mgr.restore(10, target)
+        assert _equal(target, _state(10))
+    assert _durable_steps(durable) == [10]
