@@ -20,6 +20,15 @@ on when the tier opens, and the number of local saves since) and records in its 
 whose re-save of a step failed still holds the older save, so the step is not whole; and a step
 whose last save failed on any rank is not whole anywhere (deleted by every rank).
 
+A read that fails (an I/O error) is not a finding: a rank that cannot read its copy of a step
+reports it *unread*, not damaged. A step owed to the durable tier (:attr:`LocalTier.owed` on any
+rank) that is not whole only because some ranks could not read their own parts (every other part
+verified, one save: :func:`_in_doubt`, from the gathered reports, alike on every rank) is never
+deleted for it: its files and replicas stay on every rank until its durable copy is made (the
+copy reads every byte again) or some rank finds its part damaged, missing or another save. It is
+not listed or restored from this tier meanwhile (when the tier opens, its save is recorded as
+dropped). docs/multitier.md "Durable copies from the local files".
+
 Peer replicas (``local_replicas`` = k, :mod:`ckptmgr.replicas`): each rank's step is also held by
 k ranks of other nodes under ``<local_path>/rank-<holder>/replicas/rank-<src>/<step>/`` (inside
 the holder's own directory, fenced by its lease), sent by a background thread on a group of its

@@ -15,7 +15,8 @@ Policy: at most one upload in flight and one waiting. A save job that would queu
 (in the background, after its local commit) until the one in flight ends, so the training thread
 waits only at the save after it, and only when uploads fall behind. A local step owed to the
 durable tier (waiting, in flight, or failed) is kept by local retention until it is uploaded or a
-newer step reaches the durable tier (which supersedes it).
+newer step reaches the durable tier (which supersedes it), also when a rank cannot read its part
+(an I/O error is not a finding: only damaged or missing files end an owed copy for good).
 
 Call order (every collective over the uploader's own gloo group, made at construction; a gloo
 group is used by one thread at a time):
