@@ -18,6 +18,7 @@ examples per backend (S3: N/4) instead of the fixed CI set (docs/testing.md).
 
 from __future__ import annotations
 
+import errno
 import inspect
 import itertools
 import json
@@ -73,6 +74,7 @@ from ckptmgr.errors import (
     CorruptCheckpointError,
     LeaseError,
     SaveError,
+    StorageError,
 )
 from ckptmgr.step_store import StepStore
 
@@ -228,8 +230,11 @@ class Lifecycle(RuleBasedStateMachine):
         for other in self.other_roots:
             remove_tree(other)
 
-    def _open(self, *, take_over: bool = False) -> CheckpointManager:
-        """A new writer (a new process) on the root; its view is the root as it is now."""
+    def _open(self, *, take_over: bool = False, unreadable: int | None = None
+              ) -> CheckpointManager:
+        """A new writer (a new process) on the root; its view is the root as it is now.
+        ``unreadable``: the new process's first read of a data file of that local step fails
+        (EIO: a read error, not a finding)."""
         c = self.cfg
         kw: dict[str, Any] = dict(chkpt_on_preemption=False, overwrite=c["overwrite"],
                                   take_over=take_over, reuse_unchanged=c["reuse"],
@@ -237,7 +242,19 @@ class Lifecycle(RuleBasedStateMachine):
         if c["local_interval"] is not None:
             kw.update(local_path=self.local_root, local_interval=c["local_interval"],
                       local_max_to_keep=LOCAL_KEEP)
-        self.proc = Process(self.durable_url)
+        self.proc = proc = Process(self.durable_url)
+        if unreadable is not None:
+            before, left = proc.before, [1]
+
+            def fail_once(storage: Any, op: str, path: str) -> None:
+                if (left[0] and op == "read_bytes" and storage.url != self.durable_url
+                        and path.startswith(f"{unreadable}/data-")):
+                    left[0] = 0
+                    raise StorageError(f"read failed for {storage.url}/{path} (injected)"
+                                       ) from OSError(errno.EIO, "Input/output error", path)
+                before(storage, op, path)
+
+            proc.before = fail_once  # type: ignore[method-assign]
         with self.env.tap.process(self.proc):
             mgr = CheckpointManager(self.root, c["save_interval"], **kw)
             # A local step due on the durable tier and missing there (a crash interrupted its
@@ -858,6 +875,21 @@ class Lifecycle(RuleBasedStateMachine):
                                and rel.split("/")[0].isdigit()
                                and rel.split("/")[0] not in mine}
         self.writer = self._open()
+
+    @precondition(lambda self: _on("unreadable_reopen") and self.writer is not None
+                  and bool(self.local))
+    @rule(data=st.data())
+    def unreadable_reopen(self, data: Any) -> None:
+        """A restart whose one read of a listed local step's data fails (EIO, once): that step
+        was not whole when the tier opened, so it is never listed from the local tier again
+        (its durable copy, if any, still is); no other step changes; an owed one is still
+        copied (tests/tiers/test_owed_unreadable.py has the owed cases on two ranks)."""
+        assert self.writer is not None
+        self._quiesce()
+        self._close_writer()
+        step = int(data.draw(st.sampled_from(sorted(self.local)), label="step"))
+        self.writer = self._open(unreadable=step)
+        self.local.pop(step)
 
     @precondition(lambda self: _on("reopen") and self.writer is not None)
     @rule()
