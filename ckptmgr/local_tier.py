@@ -373,8 +373,8 @@ class LocalTier:
         lost = sorted({h.step for h in held[0]} - set(tier._agreed_saves))
         if lost:
             log.warning("local tier %s: steps %s are not whole on every rank (a replaced node, "
-                        "or a corrupt or unfinished save): not restorable from the local tier",
-                        tier.root, lost)
+                        "a corrupt or unfinished save, or a read that failed): not restorable "
+                        "from the local tier", tier.root, lost)
         return tier
 
     def _open_replicas(self, comm: Comm, gathered: list[_Report],
@@ -1132,6 +1132,7 @@ class LocalTier:
                 why = None
                 self._saves[step] = agreed
                 self._bad.discard(step)
+                self._read_failed.pop(step, None)
                 self._borrowed.pop(step, None)
                 log.info("local tier %s: step %d of this rank received from rank %d (%d bytes)",
                          self.root, step, source[self.rank], receiver.bytes)

@@ -8,6 +8,7 @@ reads of one local step's files (its manifest excepted) raise EIO, as a flaky di
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -192,4 +193,37 @@ def test_an_owed_step_no_rank_can_read_is_kept_until_a_restart_can(
         target = _target()
         mgr.restore(10, target)
         assert _equal(target, _state(10))
+    assert _durable_steps(durable) == [10]
+
+
+def _with_replicas(rank: int, world: int, durable: str, nodes: str, phase: str
+                   ) -> dict[str, Any]:
+    os.environ["GROUP_RANK"] = str(rank)  # one node per rank: each part held on the other
+    kw: dict[str, Any] = {"local_interval": 5, "local_replicas": 1,
+                          "local_path": f"{nodes}/node{rank}"}
+    _no_retry_wait()
+    if phase == "flaky" and rank == 1:
+        _unreadable(nodes, 10, 1)
+    with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
+        if phase == "save":
+            assert mgr._uploads is not None
+            mgr._uploads.close()  # as if the job died before the upload
+            mgr.save_async(10, _state(10))
+            return {}
+        mgr.join()
+        target = _target()
+        mgr.restore(10, target)
+        return {"tiers": mgr.step_info(10).tiers, "exact": _equal(target, _state(10))}
+
+
+def test_an_owed_step_whole_by_a_replica_is_uploaded_when_the_own_copy_reads_again(
+        tmp_path: Path) -> None:
+    # With replicas, rank 1's part of step 10 is whole by node 0's replica while rank 1's own
+    # read fails at the restart. Before, rank 1 refused to copy it at construction (its own
+    # copy "did not verify"), so it was never uploaded; now a read error is not a refusal and
+    # the copy reads rank 1's own files again (they read now).
+    durable, nodes = str(tmp_path / "durable"), str(tmp_path / "nodes")
+    run_ranks(_with_replicas, 2, durable, nodes, "save", timeout_s=120)
+    res = run_ranks(_with_replicas, 2, durable, nodes, "flaky", timeout_s=120)
+    assert [(r["tiers"], r["exact"]) for r in res] == [(("durable", "local"), True)] * 2, res
     assert _durable_steps(durable) == [10]
