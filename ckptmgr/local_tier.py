@@ -960,12 +960,13 @@ class LocalTier:
         self._doubt = _in_doubt([g[0] for g in gathered], comm.world_size, whole)
         owed_any = {s for g in gathered for s in g[3]}
         kept = {s: v for s, v in self._doubt.items() if s in owed_any}
-        for s in sorted(kept):
+        for s in sorted(kept):  # said by the ranks that could not read (their disk)
             unread = [r for r, g in enumerate(gathered) if any(
                 h.step == s and h.unread for h in g[0][0])]
-            log.warning("local tier %s: step %d is owed to the durable tier and rank(s) %s "
-                        "could not read its part (an I/O error): kept on every rank until its "
-                        "durable copy is made; check the disk", self.root, s, unread)
+            if self.rank in unread:
+                log.warning("local tier %s: step %d is owed to the durable tier and rank(s) %s "
+                            "could not read its part (an I/O error): kept on every rank until "
+                            "its durable copy is made; check the disk", self.root, s, unread)
         self.steps = sorted(whole)[-self.max_to_keep:]
         # A whole step retention drops is never listed again unless re-saved (alike on every
         # rank: ``whole`` is agreed), even while its files stay: a step owed to the durable tier
