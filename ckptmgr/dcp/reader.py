@@ -143,13 +143,13 @@ class _Staging:
         size = self.size(window)
         if size == 0:
             return None
-        buf = next((b for b in self._free if b.numel() >= size), None)
-        if buf is None:
+        fits = [i for i, b in enumerate(self._free) if b.numel() >= size]
+        if fits:
+            buf = self._free.pop(fits[0])
+        else:
             if size > _WINDOW:
                 self._free.clear()  # one chunk over a window: held alone, as it was read alone
             buf = torch.empty(size, dtype=torch.uint8)
-        else:
-            self._free.remove(buf)
         pos = 0
         for r in window:
             if not r.direct:
