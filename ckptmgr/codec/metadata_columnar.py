@@ -78,11 +78,11 @@ class _NotColumnar(Exception):
 def _column_spec(values: Sequence[int] | Int64s, body: bytearray, *,
                  arithmetic: bool = True) -> dict[str, Any]:
     """The cheapest description of an int64 column: constant, arithmetic run, runs, packed."""
-    if isinstance(values, list) and len(values) == 1 and type(values[0]) is int:
-        # One chunk per tensor (every unsharded tensor): no array for one value. A value out
-        # of int64's range takes numpy's path below, which refuses it as before.
-        if -(1 << 63) <= values[0] < 1 << 63:
-            return {"c": values[0]}
+    # One chunk per tensor (every unsharded tensor): no array for one value. A value out of
+    # int64's range takes numpy's path below, which refuses it as before.
+    if (isinstance(values, list) and len(values) == 1 and type(values[0]) is int
+            and -(1 << 63) <= values[0] < 1 << 63):
+        return {"c": values[0]}
     t = np.ascontiguousarray(np.asarray(values, dtype=np.int64))
     n = t.shape[0]
     if n == 0:
