@@ -15,6 +15,7 @@ hanging on an idle thread.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import copy
 import ctypes
@@ -23,6 +24,7 @@ import mmap
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -32,9 +34,10 @@ from torch.distributed.tensor import DTensor
 
 from ckptmgr._shm import ALIGN, ArenaSet, pack
 from ckptmgr.dcp.shards import ShardedTensor, StagedDTensor, StagedShards
+from ckptmgr.errors import SaveError
 from ckptmgr.storage.local import forget_huge_pages, note_huge_pages
 
-__all__ = ["SaveQueue", "Stager"]
+__all__ = ["SaveQueue", "Stager", "StagingCopies", "spare_core"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -236,6 +239,20 @@ class Stager:
         Raises:
             ConfigError: a DTensor with a Partial placement.
         """
+        out, copies = self.stage_deferred(flat)
+        if copies is not None:
+            copies.run()
+        return out
+
+    def stage_deferred(self, flat: Mapping[str, Any]
+                       ) -> tuple[dict[str, Any], StagingCopies | None]:
+        """:meth:`stage`, except the copies of plain CPU tensors, which are returned to be run
+        (:meth:`StagingCopies.run`) after the save that writes them has started; None: there
+        are none. Everything else (device copies, values) has landed when this returns.
+
+        Raises:
+            ConfigError: a DTensor with a Partial placement.
+        """
         out: dict[str, Any] = {}
         used: dict[int, Any] = {}
         moves: list[tuple[int, int, int]] = []
@@ -267,7 +284,6 @@ class Stager:
                         out[key] = buf
                     else:
                         out[key] = copy.deepcopy(value)
-            _memmove_all(moves)
         finally:
             for stream in used.values():
                 stream.synchronize()  # the copies have landed (also when one failed)
@@ -277,7 +293,7 @@ class Stager:
             del self._shard_buffers[key]
         if self.arenas is not None:
             self._retired += self.arenas.retire_unused(self._buffers.values())
-        return out
+        return out, StagingCopies(moves) if moves else None
 
     def _drop(self, key: str) -> None:
         self._buffers.pop(key, None)
@@ -289,18 +305,103 @@ _MOVE_CHUNK = 16 << 20  # a large tensor is copied in pieces, so that threads ca
 _MOVE_ALONE = 8 << 20  # below this many bytes in all, one thread copies
 
 
-def _memmove_all(moves: list[tuple[int, int, int]]) -> None:
+class StagingCopies:
+    """The copies of one staging into its buffers (``(dst, src, nbytes)`` memmoves), run on the
+    caller's thread after the background save that writes them has started, so that the disk
+    is busy while the state is still being copied. The writer reads no staging buffer before its
+    copy has landed: this is a gate (:func:`~ckptmgr.dcp.tensor_bytes.wait_staged`) while
+    :meth:`run` runs."""
+
+    def __init__(self, moves: list[tuple[int, int, int]]) -> None:
+        self._moves = moves
+        self._by_address = sorted(range(len(moves)), key=lambda i: moves[i][0])
+        self._starts = [moves[i][0] for i in self._by_address]
+        self._landed = [threading.Event() for _ in moves]
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._blocking_s: float | None = None
+
+    def wait_ready(self, address: int) -> None:
+        """(writer) Return once the copy into the buffer holding ``address`` has landed (at
+        once for an address in none of them).
+
+        Raises:
+            SaveError: staging failed, so the buffer's bytes are not the state's.
+        """
+        k = bisect.bisect_right(self._starts, address) - 1
+        if k < 0:
+            return
+        i = self._by_address[k]
+        dst, _, n = self._moves[i]
+        if address >= dst + n:
+            return
+        self._landed[i].wait()
+        if self._error is not None:
+            raise SaveError("this save's copy of the state into staging failed "
+                            f"({type(self._error).__name__}: {self._error}); nothing of it "
+                            "was committed") from self._error
+
+    def run(self, t_call: float | None = None) -> None:
+        """(caller) Copy everything; the save's blocking time is taken when the last copy
+        landed (from ``t_call``). A failure is raised here and to every writer waiting."""
+        try:
+            _memmove_all(self._moves, landed=lambda i: self._landed[i].set())
+        except BaseException as e:
+            self._error = e
+            raise
+        finally:
+            if t_call is not None:
+                self._blocking_s = time.perf_counter() - t_call
+            for ev in self._landed:  # after _error: a waiter woken by a failure raises
+                ev.set()
+            self._done.set()
+
+    def blocking_s(self) -> float:
+        """(writer) How long the caller was blocked (``run``'s ``t_call`` to its end); waits
+        for :meth:`run` to end."""
+        self._done.wait()
+        return self._blocking_s if self._blocking_s is not None else 0.0
+
+
+def _cpus() -> int:
+    """CPUs this process may run on (its affinity: a container's share), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _copy_workers() -> int:
+    """Threads that copy a staging (:func:`_memmove_all`), before the number of pieces."""
+    return min(4, torch.get_num_threads(), _cpus())
+
+
+def spare_core() -> bool:
+    """Whether a save's writer has a CPU that the staging copies leave free: only then does
+    writing while they run (``ckptmgr._save_path.OVERLAP_STAGING``) not slow them down. On 2
+    cores it did: 1 GiB blocked 0.176 s instead of 0.125 s (committed 0.77 s instead of 0.95 s;
+    medians of 8, docs/performance.md)."""
+    return _cpus() > _copy_workers() + 1
+
+
+def _memmove_all(moves: list[tuple[int, int, int]],
+                 landed: Callable[[int], None] | None = None) -> None:
     """Run the queued ``(dst, src, nbytes)`` copies with memmove on a few threads (the GIL is
     released), each taking the next piece when done: not torch's ``copy_``, whose intra-op
     threads a busy training loop holds and which waits for the slowest of them on every tensor
     (1 GiB on 2 loaded cores: copy_ 0.10-4.35 s, median 0.95 s; one memmove thread 0.14-0.17 s;
-    quiet: copy_ 0.08 s, two memmove threads 0.09 s, one 0.15 s)."""
-    pieces = [(dst + off, src + off, min(_MOVE_CHUNK, n - off))
-              for dst, src, n in moves for off in range(0, n, _MOVE_CHUNK)]
-    workers = min(4, torch.get_num_threads(), os.cpu_count() or 1, len(pieces))
+    quiet: copy_ 0.08 s, two memmove threads 0.09 s, one 0.15 s). ``landed(i)``: called once
+    move ``i``'s last piece has been copied."""
+    pieces = [(i, dst + off, src + off, min(_MOVE_CHUNK, n - off))
+              for i, (dst, src, n) in enumerate(moves) for off in range(0, n, _MOVE_CHUNK)]
+    left = [-(-n // _MOVE_CHUNK) for _, _, n in moves]
+    workers = min(_copy_workers(), len(pieces))
     if workers <= 1 or sum(n for *_, n in moves) < _MOVE_ALONE:
-        for piece in pieces:
+        for i, *piece in pieces:
             ctypes.memmove(*piece)
+            left[i] -= 1
+            if landed is not None and left[i] == 0:
+                landed(i)
         return
     todo = iter(pieces)
     lock = threading.Lock()
@@ -311,7 +412,13 @@ def _memmove_all(moves: list[tuple[int, int, int]]) -> None:
                 piece = next(todo, None)
             if piece is None:
                 return
-            ctypes.memmove(*piece)
+            i, *copy_args = piece
+            ctypes.memmove(*copy_args)
+            with lock:
+                left[i] -= 1
+                last = left[i] == 0
+            if last and landed is not None:
+                landed(i)
 
     helpers = [threading.Thread(target=work, name="ckptmgr-stage", daemon=True)
                for _ in range(workers - 1)]

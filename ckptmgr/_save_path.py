@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptmgr._async import SaveQueue, Stager
+from ckptmgr._async import SaveQueue, Stager, StagingCopies, spare_core
 from ckptmgr._dist import Comm
 from ckptmgr._gc import gc_paused
 from ckptmgr._save_on_close import LastGiven
@@ -27,6 +27,7 @@ from ckptmgr.codec.manifest import check_metadata, check_metrics
 from ckptmgr.config import ManagerConfig, check_flag
 from ckptmgr.dcp.checkpoint import PreparedSave, prepare_save
 from ckptmgr.dcp.state import check_state_dict
+from ckptmgr.dcp.tensor_bytes import close_gate, open_gate
 from ckptmgr.durable import DurableOutcome, DurableTier, fits_in_grace
 from ckptmgr.errors import AsyncSaveError, CkptmgrError, ConfigError, SaveError
 from ckptmgr.events import Listeners, log_save
@@ -40,6 +41,13 @@ from ckptmgr.writer_process import DurableJob, WriterProcess, stop_if_stuck, wir
 __all__ = ["SavePath"]
 
 log = logging.getLogger("ckptmgr")
+
+OVERLAP_STAGING: bool | None = None
+"""Background saves without a writer process start writing while the caller's thread still
+copies the state into staging (:meth:`SavePath._submit`): True always, False never (the copies
+first, then the job), None where the writer has a CPU the copies leave free
+(:func:`~ckptmgr._async.spare_core`). An experiment's knob for ``benchmarks/`` and tests, not a
+user setting."""
 
 
 @dataclass(frozen=True)
@@ -320,14 +328,39 @@ class SavePath:
     def _submit(self, ready: _Ready) -> None:
         """(caller thread) Stage the state (copies: the caller may change it from now on) and
         queue its write on the worker thread (its own group); the durable part runs in the
-        writer process when there is one (the state by reference, :func:`wire_items`)."""
-        staged = self._stager.stage(ready.prepared.flat)
-        wire = None if self._writer is None or ready.plan is None or ready.prepared.spmd else (
-            wire_items(staged, self._stager, trusted=ready.request.trusted))
-        blocking_s = time.perf_counter() - ready.request.t_call
-        self._inflight_step = ready.request.step
-        self._queue.submit(lambda: self._write(ready, staged, self._worker, blocking_s, wire),
-                           name=f"ckptmgr-save-{ready.request.step}")
+        writer process when there is one (the state by reference, :func:`wire_items`).
+
+        Without a writer process the job starts before the copies of plain CPU tensors into
+        staging run here (:data:`OVERLAP_STAGING`): its writer waits for each buffer's copy
+        (:class:`~ckptmgr._async.StagingCopies`), and this returns when every copy landed."""
+        req = ready.request
+        name = f"ckptmgr-save-{req.step}"
+        overlap = OVERLAP_STAGING if OVERLAP_STAGING is not None else spare_core()
+        if overlap and self._writer is None:
+            staged, copies = self._stager.stage_deferred(ready.prepared.flat)
+        else:
+            staged, copies = self._stager.stage(ready.prepared.flat), None
+        self._inflight_step = req.step
+        if copies is None:
+            wire = None if self._writer is None or ready.plan is None or ready.prepared.spmd \
+                else wire_items(staged, self._stager, trusted=req.trusted)
+            blocking_s = time.perf_counter() - req.t_call
+            self._queue.submit(lambda: self._write(ready, staged, self._worker, blocking_s,
+                                                   wire), name=name)
+            return
+        open_gate(copies)
+        try:
+            self._queue.submit(lambda: self._write(ready, staged, self._worker, None,
+                                                   staging=copies), name=name)
+            try:
+                copies.run(req.t_call)
+            except BaseException:
+                # The job fails at its next read of a staging buffer (or has ended): its error
+                # is this one's consequence; this one is raised.
+                self._queue.wait()
+                raise
+        finally:
+            close_gate(copies)
 
     def _preemption_save(self, req: _Request, state_dict: Mapping[str, Any],
                          signum: int) -> bool:
@@ -379,13 +412,19 @@ class SavePath:
         return True
 
     def _write(self, ready: _Ready, flat: dict[str, Any], comm: Comm,
-               blocking_s: float | None, wire: dict[str, Any] | None = None) -> None:
+               blocking_s: float | None, wire: dict[str, Any] | None = None, *,
+               staging: StagingCopies | None = None) -> None:
         """(collective over ``comm``) Write, commit, apply retention, agree on the new steps.
 
         Runs on the caller's thread for ``save`` (``comm`` is the caller's) and on the worker
-        thread for ``save_async`` (the worker's); ``wire``: the durable part runs in the writer.
+        thread for ``save_async`` (the worker's); ``wire``: the durable part runs in the writer;
+        ``staging``: the copies into ``flat``'s buffers still running on the caller's thread
+        (the save's blocking time is theirs, known once they end).
         """
         plan, req = ready.plan, ready.request
+
+        def blocked() -> float | None:
+            return staging.blocking_s() if staging is not None else blocking_s
         # A local step due on the durable tier says so (with what its durable copy needs, and
         # which root): a restart uploads it if that root lacks it (ckptmgr.uploader).
         metadata = {**req.metadata, UPLOAD_KEY: {"mesh": ready.prepared.mesh,
@@ -410,7 +449,7 @@ class SavePath:
         # step was written, the durable part is saved as due.
         skipped = ready.local and self._local is not None and self._local.last_skipped
         if uploads is not None:
-            job = UploadJob(req.step, blocking_s or 0.0, self._stager.last_staged_bytes)
+            job = UploadJob(req.step, blocked() or 0.0, self._stager.last_staged_bytes)
             if local_err is None and not skipped:  # the staging buffers are free after this
                 uploads.submit(job)
                 return
@@ -420,7 +459,7 @@ class SavePath:
             done = uploads.write_now(job, lambda tier: self._write_staged(
                 tier, ready, flat, comm))
             if done is not None:
-                self._record_durable(req.step, done, blocking_s, job.staging_bytes, req.t_call)
+                self._record_durable(req.step, done, blocked(), job.staging_bytes, req.t_call)
             if local_err is not None:
                 raise local_err
             return
@@ -444,8 +483,9 @@ class SavePath:
             raise
         if self._uploads is not None:  # the failed copies of older steps are superseded
             self._uploads.superseded(plan.step)
-        self._record_durable(plan.step, out, blocking_s,
-                             self._stager.last_staged_bytes if blocking_s is not None else 0,
+        was_blocked = blocked()
+        self._record_durable(plan.step, out, was_blocked,
+                             self._stager.last_staged_bytes if was_blocked is not None else 0,
                              req.t_call)
         if local_err is not None:
             raise local_err

@@ -1,4 +1,5 @@
-"""Raw byte views of CPU tensors, and the CPU-share knob of ckptmgr's I/O threads.
+"""Raw byte views of CPU tensors, the gate that holds a writer back from staging memory whose
+copy is still running, and the CPU-share knob of ckptmgr's I/O threads.
 
 The checksum over those bytes is torch-free, in :mod:`ckptmgr.codec.checksum`."""
 
@@ -9,10 +10,56 @@ import ctypes
 import os
 import sys
 import threading
+from typing import Protocol
 
 import torch
 
-__all__ = ["lower_thread_priority", "tensor_memoryview"]
+__all__ = ["StagingGate", "close_gate", "lower_thread_priority", "open_gate", "tensor_memoryview",
+           "wait_staged"]
+
+
+class StagingGate(Protocol):
+    """Copies into staging memory that may still be running (``ckptmgr._async``)."""
+
+    def wait_ready(self, address: int) -> None:
+        """Return once the copy into the staging buffer holding ``address`` (if any of this
+        gate's) has landed; raise if staging failed."""
+
+
+_GATES: list[StagingGate] = []
+_GATES_LOCK = threading.Lock()
+
+
+def open_gate(gate: StagingGate) -> None:
+    """``gate``'s buffers are being copied: :func:`wait_staged` waits on them until closed."""
+    with _GATES_LOCK:
+        _GATES.append(gate)
+
+
+def close_gate(gate: StagingGate) -> None:
+    """``gate``'s copies have all ended (landed, or failed and said so to their waiters)."""
+    with _GATES_LOCK:
+        if gate in _GATES:
+            _GATES[:] = [g for g in _GATES if g is not gate]
+
+
+def wait_staged(t: torch.Tensor) -> None:
+    """Before reading ``t``'s bytes: wait until a staging copy still running into the memory
+    ``t`` views has landed. Nothing to wait for (no gate open, or ``t`` is no staging buffer
+    being copied): returns at once. A background save starts writing while the caller's thread
+    still copies the state into staging (``ckptmgr._async``); its writer calls this for every
+    tensor before it reads, hashes or hands over its memory.
+
+    Raises:
+        SaveError: the copy into ``t``'s buffer failed (from the gate).
+    """
+    if not _GATES:
+        return
+    with _GATES_LOCK:
+        gates = list(_GATES)
+    address = t.data_ptr()
+    for gate in gates:
+        gate.wait_ready(address)
 
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:

@@ -79,7 +79,7 @@ from ckptmgr.dcp._args import check_options, check_url
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
 from ckptmgr.dcp.metadata import encode_metadata
 from ckptmgr.dcp.planner import item_bytes
-from ckptmgr.dcp.tensor_bytes import lower_thread_priority, tensor_memoryview
+from ckptmgr.dcp.tensor_bytes import lower_thread_priority, tensor_memoryview, wait_staged
 from ckptmgr.errors import ConfigError, SaveError, StorageError, UnsafeCheckpointError
 from ckptmgr.step_store import CommitPlan, StepStore, unfenced
 from ckptmgr.storage import (
@@ -612,6 +612,7 @@ class CkptStorageWriter(StorageWriter):
                 else:
                     t = planner.resolve_data(item)
                     assert isinstance(t, torch.Tensor), "tensor item resolved to bytes"
+                    wait_staged(t)  # a background save's staging copy may still be running
                     t = t.detach()
                     if t.device.type != "cpu":
                         t = t.cpu()

@@ -1,0 +1,139 @@
+"""A background save that starts writing while the caller still copies the state into staging
+(ckptmgr._save_path.OVERLAP_STAGING, ckptmgr._async.StagingCopies): the checkpoint holds the
+state as it was at the call, the writer reads no buffer before its copy landed (a gate holds one
+copy back until the writer waits for it), a failed copy fails that save alone and says so once,
+and the default overlaps only where the writer has a CPU the copies leave free."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from ckptmgr import CheckpointManager
+from ckptmgr import _async, _save_path
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def overlap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_save_path, "OVERLAP_STAGING", True)
+
+
+def _state(seed: int) -> dict[str, Any]:
+    """About 24 MiB in tensors of many sizes (over the copies' 8 MiB threshold: several copy
+    threads), a bf16 one, an empty one and a Python value."""
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, Any] = {f"t{i}": torch.randn(n, generator=g)
+                          for i, n in enumerate([1, 7, 1000, 300_000, 2_500_000, 3_000_000, 5])}
+    sd["bf16"] = torch.randn(64, 1000, generator=g).bfloat16()
+    sd["empty"] = torch.empty(0)
+    sd["epoch"] = seed
+    return sd
+
+
+def _zeros_like(sd: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in sd.items()}
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def test_an_overlapped_save_holds_the_state_at_the_call(local_root: str, overlap: None) -> None:
+    with CheckpointManager(local_root, save_interval=1, max_to_keep=2) as mgr:
+        for step in range(3):
+            state = _state(step)
+            snapshot = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                        for k, v in state.items()}
+            assert mgr.save_async(step, state)
+            for v in state.values():  # the training step that follows, at once
+                if isinstance(v, torch.Tensor) and v.numel():
+                    v.mul_(-3).add_(1)
+            mgr.join()
+            out = _zeros_like(state)
+            mgr.restore(step, out)
+            assert _equal(out, snapshot), step
+            stats = mgr.last_save_stats
+            assert stats is not None and stats.blocking_s > 0
+            assert stats.staging_bytes == sum(
+                v.numel() * v.element_size() for v in snapshot.values()
+                if isinstance(v, torch.Tensor))
+
+
+def test_the_writer_waits_for_a_buffer_whose_copy_is_held_back(
+        local_root: str, overlap: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy of the largest tensor waits until the writer waits for that buffer: a writer
+    that read it early would write the previous save's bytes (the buffers are reused)."""
+    with CheckpointManager(local_root, save_interval=1) as mgr:
+        first = _state(1)
+        mgr.save_async(1, first)
+        mgr.join()
+        second = _state(2)
+        big = max((v for v in second.values() if isinstance(v, torch.Tensor)),
+                  key=lambda t: t.numel())
+        held: dict[str, Any] = {"dst": None, "writer_waited": threading.Event(),
+                                "late": False}
+        memmove, wait_ready = ctypes.memmove, _async.StagingCopies.wait_ready
+
+        def slow_memmove(dst: int, src: int, n: int) -> Any:
+            if src == big.data_ptr():  # the first piece of the big tensor's copy
+                held["dst"] = dst
+                held["late"] = not held["writer_waited"].wait(30)
+            return memmove(dst, src, n)
+
+        def spy_wait(self: Any, address: int) -> None:
+            if held["dst"] is not None and address == held["dst"]:
+                held["writer_waited"].set()
+            wait_ready(self, address)
+
+        monkeypatch.setattr(_async.ctypes, "memmove", slow_memmove)
+        monkeypatch.setattr(_async.StagingCopies, "wait_ready", spy_wait)
+        mgr.save_async(2, second)
+        monkeypatch.setattr(_async.ctypes, "memmove", memmove)
+        mgr.join()
+        assert held["dst"] is not None and not held["late"]
+        out = _zeros_like(second)
+        mgr.restore(2, out)
+        assert _equal(out, second)
+
+
+def test_a_failed_copy_fails_that_save_once_and_the_next_one_commits(
+        local_root: str, overlap: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    with CheckpointManager(local_root, save_interval=1) as mgr:
+        state = _state(3)
+        memmove = ctypes.memmove
+        calls = {"n": 0}
+
+        def failing_memmove(dst: int, src: int, n: int) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise MemoryError("injected: the copy into staging failed")
+            return memmove(dst, src, n)
+
+        monkeypatch.setattr(_async.ctypes, "memmove", failing_memmove)
+        with pytest.raises(MemoryError, match="injected"):
+            mgr.save_async(5, state)
+        monkeypatch.setattr(_async.ctypes, "memmove", memmove)
+        mgr.join()  # the job's own failure is this one's consequence: not raised again
+        assert mgr.all_steps() == []
+        assert mgr.save_async(6, state)
+        mgr.join()
+        assert mgr.all_steps() == [6]
+        out = _zeros_like(state)
+        mgr.restore(6, out)
+        assert _equal(out, state)
+
+
+def test_the_default_overlaps_only_with_a_cpu_to_spare(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_async, "_cpus", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not _async.spare_core()  # 2 copy threads and the writer on 2 CPUs
+    monkeypatch.setattr(_async, "_cpus", lambda: 16)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
+    assert _async.spare_core()  # 4 copy threads, the writer has a CPU of its own
