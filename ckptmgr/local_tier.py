@@ -48,7 +48,8 @@ decode (damaged, or written by a newer ckptmgr) is judged by the root recorded i
 another root's is foreign; one naming this root, or none, is this run's damaged step, and local
 retention deletes it at the next save (as before). A step whose manifest cannot be read (an I/O
 error) is taken as foreign until it reads again (looked at again at each save's agreement):
-never deleted or written over meanwhile. Another root's replicas held here are looked at again
+never deleted or written over meanwhile; the ranks' agreement counts it as a copy this rank could
+not read (as a data read error), so that the other ranks keep an owed step's parts too. Another root's replicas held here are looked at again
 at each agreement too. docs/multitier.md "Another run's local steps".
 
 Call order (every collective over the caller's ``comm``, same order on every rank):
@@ -479,6 +480,11 @@ class LocalTier:
             other = self._classify(self.store, step, note_legacy=True)
             if other is not None:  # not read further: it is never ours to verify or delete
                 self._foreign[step] = other
+                if other == _UNREAD:
+                    # Whose it is cannot be told, but it may be this run's step, owed and
+                    # whole elsewhere: reported as a copy this rank could not read (never a
+                    # finding), so that the other ranks keep theirs (_in_doubt).
+                    held.append(self._unread_own(step))
                 continue
             status, save = self._verifies(step)
             held.append(_Held(step, status == _OK, save, unread=status == _IO_ERROR))
@@ -499,6 +505,14 @@ class LocalTier:
                     self._rep_saves[(src, step)] = save
                 reps.append((src, _Held(step, ok, save)))
         return held, reps
+
+    def _unread_own(self, step: int) -> _Held:
+        """What this rank reports of its ``step`` whose manifest it cannot read (an I/O error):
+        a copy it could not read, of a save it cannot name (matching any: :func:`_in_doubt`).
+        Left alone meanwhile (taken as another root's: never deleted or written over)."""
+        self._bad.add(step)
+        self._read_failed.setdefault(step, None)
+        return _Held(step, False, self._read_failed[step], unread=True)
 
     def _read_dropped(self) -> set[tuple[int, str | None]]:
         """The saves this rank recorded as dropped (:data:`DROPPED_NAME`; none if absent). An
@@ -683,15 +697,17 @@ class LocalTier:
     def _warn_foreign(self) -> None:
         """One warning per tier: the steps of other roots found here, and the ones that record
         no root (taken as this run's)."""
-        if self._foreign or self._foreign_reps:
-            roots = sorted(set(self._foreign.values()))
+        foreign = {s: r for s, r in self._foreign.items() if r != _UNREAD}  # said by _unread
+        foreign_reps = {k: r for k, r in self._foreign_reps.items() if r != _UNREAD}
+        if foreign or foreign_reps:
+            roots = sorted(set(foreign.values()))
             log.warning(
                 "local tier %s holds %d local step(s) %s and %d replica(s) of another durable "
                 "root (%s), not this run's (%s): another run was given this local_path. They are "
                 "ignored: never listed, restored, uploaded, overwritten or deleted, and this run "
                 "does not save its own steps of those numbers to the local tier. Give this run "
                 "another local_path, or remove them if that run is over", self.root,
-                len(self._foreign), sorted(self._foreign)[-5:], len(self._foreign_reps),
+                len(foreign), sorted(foreign)[-5:], len(foreign_reps),
                 ", ".join(roots[:3]) or "replicas only", self.durable_key)
         legacy = sorted(self._legacy - set(self._foreign))
         if legacy:
@@ -900,6 +916,7 @@ class LocalTier:
         the only copy of a checkpoint. Its upload reads every byte again (a read that fails
         again fails the upload, and the step stays owed)."""
         mine: list[int] = []
+        unread: list[int] = []  # steps whose manifest this rank cannot read now (left alone)
         listed = self.store is not None
         if self.store is not None:
             try:
@@ -917,7 +934,11 @@ class LocalTier:
                             self._foreign[s] = other
                         else:
                             self._foreign.pop(s, None)
+                        if other not in (None, _UNREAD):  # another root's, read now: not ours
+                            self._bad.discard(s)
+                            self._read_failed.pop(s, None)
                 mine = [s for s in committed if s not in self._foreign]
+                unread = [s for s in committed if self._foreign.get(s) == _UNREAD]
             except StorageError as e:
                 listed = False
                 log.warning("local tier %s: listing failed: %s", self.root, e)
@@ -925,6 +946,7 @@ class LocalTier:
             self._bad.add(s)  # committed here, but by no save this rank knows: not trusted
         held = [_Held(s, s not in self._bad, self._read_failed[s] if s in self._read_failed
                       else self._saves.get(s), unread=s in self._read_failed) for s in mine]
+        held += [self._unread_own(s) for s in unread]
         reps: dict[int, list[int]] = {}
         foreign_reps: dict[tuple[int, int], str] = {}
         for src in self._replica_sources() if self.replicas else ():

@@ -8,6 +8,7 @@ reads of one local step's files (its manifest excepted) raise EIO, as a flaky di
 from __future__ import annotations
 
 import errno
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -226,4 +227,86 @@ def test_an_owed_step_whole_by_a_replica_is_uploaded_when_the_own_copy_reads_aga
     run_ranks(_with_replicas, 2, durable, nodes, "save", timeout_s=120)
     res = run_ranks(_with_replicas, 2, durable, nodes, "flaky", timeout_s=120)
     assert [(r["tiers"], r["exact"]) for r in res] == [(("durable", "local"), True)] * 2, res
+    assert _durable_steps(durable) == [10]
+
+
+def _manifest_unreadable(nodes: str, step: int, times: int | None) -> None:
+    """This process's reads of local ``step``'s manifest (``commit.json``) under ``nodes`` fail
+    with EIO: the first ``times`` of them, or every one (None)."""
+    from ckptmgr.storage import local
+
+    real = local.LocalStorage.read_bytes
+    left = [times]
+
+    def read_bytes(self: Any, path: str, start: int = 0, length: int | None = None) -> bytes:
+        if self.root.startswith(nodes) and path == f"{step}/commit.json" and left[0] != 0:
+            if left[0] is not None:
+                left[0] -= 1
+            raise StorageError(f"read failed for {self.url}/{path} (injected)") from OSError(
+                errno.EIO, "Input/output error (injected)", path)
+        return real(self, path, start, length)
+
+    local.LocalStorage.read_bytes = read_bytes  # type: ignore[method-assign]
+
+
+class _Said(logging.Handler):
+    """The ckptmgr warnings logged in this process."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.said: list[str] = []
+        logging.getLogger("ckptmgr").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(record.getMessage())
+
+
+def _manifest_phase(rank: int, world: int, durable: str, nodes: str, phase: str,
+                    times: int | None) -> dict[str, Any]:
+    kw: dict[str, Any] = {"local_interval": 5, "local_path": f"{nodes}/node{rank}"}
+    own = Path(nodes, f"node{rank}", f"rank-{rank}")
+    _no_retry_wait()
+    said = _Said()
+    if phase == "flaky" and rank == 1:
+        _manifest_unreadable(nodes, 10, times)
+    failed = None
+    with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
+        if phase == "save":
+            assert mgr._uploads is not None
+            mgr._uploads.close()  # as if the job died before the upload
+            mgr.save_async(10, _state(10))
+            return {}
+        for step in (15, 25):
+            mgr.save_async(step, _state(step))
+            try:
+                mgr.join()
+            except AsyncSaveError as e:
+                failed = str(e)
+        return {"failed": failed, "kept": (own / "10" / "commit.json").exists(),
+                "another_run": any("another run" in m for m in said.said),
+                "manifest": any("cannot read step 10's manifest" in m for m in said.said)}
+
+
+@pytest.mark.parametrize("times", [1, None], ids=["once", "until-restart"])
+def test_an_owed_step_whose_manifest_one_rank_cannot_read_is_kept_and_uploaded(
+        tmp_path: Path, times: int | None) -> None:
+    # Step 10 is owed (its upload never ran). At the restart rank 1's read of its manifest
+    # fails (EIO): whose step it is cannot be told there, so rank 1 leaves it alone, and
+    # before the fix reported nothing of it: not whole, not in doubt, not uploaded, and the
+    # next local save deleted it on both ranks (on rank 1 once it read again: "committed by no
+    # save"). Now rank 1 reports a copy it could not read: the step is uploaded by the restart
+    # when the manifest reads again, else kept on both ranks until a restart can.
+    durable, nodes = str(tmp_path / "durable"), str(tmp_path / "nodes")
+    run_ranks(_manifest_phase, 2, durable, nodes, "save", None, timeout_s=120)
+    res = run_ranks(_manifest_phase, 2, durable, nodes, "flaky", times, timeout_s=120)
+    assert res[1]["manifest"] and not any(r["another_run"] for r in res), res
+    if times == 1:
+        assert [r["failed"] for r in res] == [None, None], res
+        assert _durable_steps(durable) == [10]
+        return
+    for r in res:
+        assert r["kept"] and r["failed"] is not None and "step 10" in r["failed"], r
+    assert _durable_steps(durable) == []
+    res = run_ranks(_manifest_phase, 2, durable, nodes, "fixed", None, timeout_s=120)
+    assert [r["failed"] for r in res] == [None, None], res
     assert _durable_steps(durable) == [10]
