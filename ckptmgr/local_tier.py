@@ -49,8 +49,8 @@ another root's is foreign; one naming this root, or none, is this run's damaged 
 retention deletes it at the next save (as before). A step whose manifest cannot be read (an I/O
 error) is taken as foreign until it reads again (looked at again at each save's agreement):
 never deleted or written over meanwhile; the ranks' agreement counts it as a copy this rank could
-not read (as a data read error), so that the other ranks keep an owed step's parts too. Another root's replicas held here are looked at again
-at each agreement too. docs/multitier.md "Another run's local steps".
+not read (as a data read error), so that the other ranks keep an owed step's parts too.
+Another root's replicas held here are looked at again at each agreement too. docs/multitier.md "Another run's local steps".
 
 Call order (every collective over the caller's ``comm``, same order on every rank):
 1) (all ranks) :meth:`LocalTier.open` in the constructor: lease, scan, verify, agree (with
