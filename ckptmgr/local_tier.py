@@ -50,7 +50,8 @@ retention deletes it at the next save (as before). A step whose manifest cannot 
 error) is taken as foreign until it reads again (looked at again at each save's agreement):
 never deleted or written over meanwhile; the ranks' agreement counts it as a copy this rank could
 not read (as a data read error), so that the other ranks keep an owed step's parts too.
-Another root's replicas held here are looked at again at each agreement too. docs/multitier.md "Another run's local steps".
+Another root's replicas held here are looked at again at each agreement too.
+docs/multitier.md "Another run's local steps".
 
 Call order (every collective over the caller's ``comm``, same order on every rank):
 1) (all ranks) :meth:`LocalTier.open` in the constructor: lease, scan, verify, agree (with
@@ -1100,9 +1101,8 @@ class LocalTier:
         self.wait_replicas()
         if step not in self.steps:
             return None
-        why, verified = self._fetch(step, comm, verify_bytes=not fallback) if (
-            self.replicas) else (None, False)
-        io = False
+        why, verified, io = self._fetch(step, comm, verify_bytes=not fallback) if (
+            self.replicas) else (None, False, False)
         if why is None:
             why, io = self._readable(step, state_dict, verify_bytes=not (fallback or verified))
         if not self._agreed(comm, why, step, "before reading", io=io):
@@ -1120,18 +1120,22 @@ class LocalTier:
                  self.root, nbytes)
         return nbytes
 
-    def _fetch(self, step: int, comm: Comm, *, verify_bytes: bool) -> tuple[str | None, bool]:
+    def _fetch(self, step: int, comm: Comm, *, verify_bytes: bool
+               ) -> tuple[str | None, bool, bool]:
         """(collective) Every rank lacking a valid copy of its own part of ``step`` (absent,
         another save, sizes or, with ``verify_bytes``, checksums) receives one from a holder of a
-        replica, checked, into its own directory (healed). Why this rank could not (or None), and
-        whether this rank's copy had every checksum verified here."""
+        replica, checked, into its own directory (healed). Why this rank could not (or None),
+        whether this rank's copy had every checksum verified here, and whether this rank's
+        failure is only a read of its own copy that failed (an I/O error, not a finding: no
+        copy came to replace it), which never makes the step bad (:meth:`_agreed`)."""
         assert self.store is not None
         agreed = self._agreed_saves.get(step)
-        own_ok = (step not in self._bad and self._saves.get(step, "-") == agreed
-                  and self._own_files_ok(step, agreed, verify_bytes))
-        needy = [r for r, ok in enumerate(comm.all_gather(own_ok)) if not ok]
+        own = (self._own_files_ok(step, agreed, verify_bytes)
+               if step not in self._bad and self._saves.get(step, "-") == agreed else _DAMAGED)
+        needy = [r for r, ok in enumerate(comm.all_gather(own == _OK)) if not ok]
         if not needy:
-            return None, verify_bytes
+            return None, verify_bytes, False
+        io = own == _IO_ERROR
         # Each needy rank tries its part's holders in order (alike on every rank): a holder
         # whose copy went bad since the agreement is followed by the next one.
         parts = self._holders_of.get(step, {})
@@ -1148,7 +1152,7 @@ class LocalTier:
                     (source[self.rank], receiver)])
             except Exception as e:  # the agreement after this says so on every rank
                 return (f"fetching step {step} from its holders failed: {type(e).__name__}: {e}",
-                        False)
+                        False, io)
             if receiver is not None and receiver.error is not None:
                 why = f"its copy from rank {source[self.rank]} was refused: {receiver.error}"
             elif receiver is not None:
@@ -1162,22 +1166,28 @@ class LocalTier:
             done = comm.all_gather(receiver is not None and receiver.error is None)
             left = {r: hs for r, hs in left.items() if not done[r]}
         if self.rank not in needy:
-            return None, verify_bytes
-        return why, why is None  # a received copy had every checksum checked as it arrived
+            return None, verify_bytes, False
+        if why is not None and io:
+            why = f"a read of its files failed (an I/O error), and {why}"
+        # A received copy had every checksum checked as it arrived.
+        return why, why is None, why is not None and io
 
-    def _own_files_ok(self, step: int, agreed: str | None, verify_bytes: bool) -> bool:
-        """Whether this rank's own copy of ``step`` is the agreed save with every file's size
-        (and with ``verify_bytes`` its checksum) as in its manifest."""
+    def _own_files_ok(self, step: int, agreed: str | None, verify_bytes: bool) -> str:
+        """How this rank's own copy of ``step`` checks as the agreed save with every file's size
+        (and with ``verify_bytes`` its checksum) as in its manifest: ``_OK``, ``_DAMAGED`` (a
+        finding, or another save) or ``_IO_ERROR`` (a read failed: nothing is known)."""
         assert self.store is not None
         if verify_bytes:
-            return self._verify_in(self.store, step, self.rank) == (True, agreed)
+            status, save = self._check_in(self.store, step, self.rank)
+            return _DAMAGED if status == _OK and save != agreed else status
         try:
             m = self.store.read_manifest(step)
             save = self._check_owner(m).get("save")
             files = self.store.storage.list_files(step_dir_name(step))
-        except (CkptmgrError, StorageError):
-            return False
-        return save == agreed and all(files.get(e.path) == e.size for e in m.files)
+        except (CkptmgrError, StorageError) as e:
+            return _IO_ERROR if is_read_failure(e) else _DAMAGED
+        return _OK if save == agreed and all(files.get(e.path) == e.size for e in m.files) else (
+            _DAMAGED)
 
     def unreadable(self, step: int, available: list[int]) -> CorruptCheckpointError:
         """The error of a step held only by this tier whose :meth:`restore` fell back (every

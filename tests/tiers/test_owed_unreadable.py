@@ -72,8 +72,11 @@ def _no_retry_wait() -> None:
 
 
 def _phase(rank: int, world: int, durable: str, nodes: str, phase: str,
-           times: int | None) -> dict[str, Any]:
+           times: int | None, replicas: bool = False) -> dict[str, Any]:
     kw: dict[str, Any] = {"local_interval": 5, "local_path": f"{nodes}/node{rank}"}
+    if replicas:  # replicas asked for, but one node: no rank's part has a holder
+        os.environ["GROUP_RANK"] = "0"
+        kw["local_replicas"] = 1
     own = Path(nodes, f"node{rank}", f"rank-{rank}")
     _no_retry_wait()
     if phase in ("save", "restore"):  # step 10 saved on the local tier, its upload never runs
@@ -147,20 +150,26 @@ def test_an_owed_step_one_rank_cannot_read_is_kept_and_uploaded(tmp_path: Path,
     assert _durable_steps(durable) == [10]
 
 
+@pytest.mark.parametrize("replicas", [False, True], ids=["", "replicas-no-holder"])
 @pytest.mark.parametrize("damaged", [False, True], ids=["read-error", "flipped-byte"])
 def test_an_owed_step_whose_restore_failed_on_a_read_error_is_kept(tmp_path: Path,
-                                                                  damaged: bool) -> None:
+                                                                  damaged: bool,
+                                                                  replicas: bool) -> None:
     # Step 10 is owed (its upload never runs in this job) and held only by the local tier. Its
     # restore fails because rank 1's read fails once: not restorable in this job, but before
     # the fix every rank deleted its part at the next local save. Now every rank keeps it; the
     # restart reads it whole and uploads it. A part found damaged (a flipped byte) is a
-    # finding: the step goes on every rank at the next local save, as before.
+    # finding: the step goes on every rank at the next local save, as before. With replicas
+    # asked for, rank 1's own copy fails its check before the read and no holder can heal it
+    # (one node): before that fix every rank took it as damaged and deleted its part.
     durable, nodes = str(tmp_path / "durable"), str(tmp_path / "nodes")
-    res = run_ranks(_phase, 2, durable, nodes, "restore", 0 if damaged else 1, timeout_s=120)
+    res = run_ranks(_phase, 2, durable, nodes, "restore", 0 if damaged else 1, replicas,
+                    timeout_s=120)
     assert [(r["kept"], r["all"]) for r in res] == [(not damaged, [15])] * 2, res
-    why = "sizes and checksums" if damaged else "rank 1: a read of its files failed (an I/O error)"
+    why = ("no verified copy" if replicas else "sizes and checksums") if damaged else (
+        "rank 1: a read of its files failed (an I/O error)")
     assert all(why in r["why"] for r in res), res
-    res = run_ranks(_phase, 2, durable, nodes, "fixed", None, timeout_s=120)
+    res = run_ranks(_phase, 2, durable, nodes, "fixed", None, replicas, timeout_s=120)
     for r in res:
         assert r["failed"] is None and r["restored"] is not damaged, r
         assert damaged or r["exact"], r
@@ -308,5 +317,52 @@ def test_an_owed_step_whose_manifest_one_rank_cannot_read_is_kept_and_uploaded(
         assert r["kept"] and r["failed"] is not None and "step 10" in r["failed"], r
     assert _durable_steps(durable) == []
     res = run_ranks(_manifest_phase, 2, durable, nodes, "fixed", None, timeout_s=120)
+    assert [r["failed"] for r in res] == [None, None], res
+    assert _durable_steps(durable) == [10]
+
+
+def _replicas_session(rank: int, world: int, durable: str, nodes: str, phase: str
+                      ) -> dict[str, Any]:
+    os.environ["GROUP_RANK"] = str(rank)  # one node per rank: each part held on the other
+    kw: dict[str, Any] = {"local_interval": 5, "local_replicas": 1, "local_max_to_keep": 1,
+                          "local_path": f"{nodes}/node{rank}"}
+    own = Path(nodes, f"node{rank}", f"rank-{rank}")
+    replica = Path(nodes, f"node{rank}", f"rank-{rank}", "replicas", f"rank-{1 - rank}")
+    _no_retry_wait()
+    if phase == "flaky" and rank == 1:
+        _unreadable(nodes, 10, None)  # every read of step 10 here, this whole session
+    failed = None
+    with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
+        if phase == "save":
+            assert mgr._uploads is not None
+            mgr._uploads.close()  # as if the job died before the upload
+            mgr.save_async(10, _state(10))
+            return {}
+        for step in (15, 25):  # local only; step 10 leaves the listing (keep 1)
+            mgr.save_async(step, _state(step))
+            try:
+                mgr.join()
+            except AsyncSaveError as e:
+                failed = str(e)
+        return {"failed": failed, "kept": (own / "10" / "commit.json").exists(),
+                "replica": (replica / "10" / "commit.json").exists()}
+
+
+def test_an_owed_step_whole_by_a_replica_while_a_rank_cannot_read_its_own_is_kept(
+        tmp_path: Path) -> None:
+    # Step 10 is owed; at the restart rank 1 cannot read its own copy this whole session, but
+    # node 0's replica of it verifies, so the step is whole. Its upload (own copies only) fails
+    # on rank 1. Before the fix, the next local save deleted rank 1's own copy (it did not
+    # verify), and once step 10 left the listing the replicas went too: the only copy of
+    # rank 1's part was lost, and step 10 was never uploaded. Now both stay while it is owed;
+    # the next restart reads it and uploads it.
+    durable, nodes = str(tmp_path / "durable"), str(tmp_path / "nodes")
+    run_ranks(_replicas_session, 2, durable, nodes, "save", timeout_s=120)
+    res = run_ranks(_replicas_session, 2, durable, nodes, "flaky", timeout_s=120)
+    for r in res:
+        assert r["failed"] is not None and "step 10" in r["failed"], r
+        assert r["kept"] and r["replica"], r
+    assert _durable_steps(durable) == []
+    res = run_ranks(_replicas_session, 2, durable, nodes, "fixed", timeout_s=120)
     assert [r["failed"] for r in res] == [None, None], res
     assert _durable_steps(durable) == [10]
