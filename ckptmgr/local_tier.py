@@ -982,7 +982,11 @@ class LocalTier:
         # rank, and not whole only because a rank could not read its part.
         self._doubt = _in_doubt([g[0] for g in gathered], comm.world_size, whole)
         owed_any = {s for g in gathered for s in g[3]}
-        kept = {s: v for s, v in self._doubt.items() if s in owed_any}
+        # Whole or not: a step whole only by a replica of the part a rank could not read stays
+        # in doubt for its durable copy (an upload reads own copies only), so that rank's own
+        # copy and the replicas stay while it is owed, also once the step leaves the listing.
+        kept = {s: v for s, v in _in_doubt([g[0] for g in gathered], comm.world_size,
+                                           {}).items() if s in owed_any}
         for s in sorted(kept):  # said by the ranks that could not read (their disk)
             unread = [r for r, g in enumerate(gathered) if any(
                 h.step == s and h.unread for h in g[0][0])]
