@@ -429,7 +429,11 @@ class Uploader:
         damaged part, another save, another root, not due); its copy reads every byte again
         and, failing, leaves it owed. So are the steps not whole only because a rank could not
         read its part when the tier opened (:meth:`LocalTier.upload_candidates`). A step left
-        out here is owed nothing: local retention deletes it at the next save."""
+        out here is owed nothing: local retention deletes it at the next save.
+
+        When a step queued here is newer than every listed step (neither tier lists it), this
+        waits for the copies (:meth:`drain`) before it returns: the step is then listed (the
+        durable tier's), or its copy failed (raised by the next ``join``)."""
         view = self._main.view  # agreed
         newest = max(view.records, default=-1)
         due: list[int] = []
@@ -475,6 +479,17 @@ class Uploader:
             log.info("local step %d is due on the durable tier %s and missing there: uploading "
                      "it in the background", s, self._main.url)
             self.submit(UploadJob(s), wait_for_slot=False)
+        # A step newer than every step listed (either tier) is the one a resuming job must
+        # find: not listed from the local tier (in doubt, or dropped), it would be listed only
+        # once its copy is adopted, so restore_latest() would start the job from an older step
+        # (or from scratch, and its saves would then meet the old run's steps). The constructor
+        # waits for the copies (every rank alike: ``steps`` and both listings are agreed).
+        view = self._main.view
+        listed = max({*view.records, *view.foreign, *self._local.steps}, default=-1)
+        if steps and steps[-1] > listed:
+            log.info("local step %d is newer than every listed step and listed only once its "
+                     "durable copy is made: waiting for it", steps[-1])
+            self.drain(caller)
         return steps
 
     def adopt(self, caller: Comm) -> None:
