@@ -405,28 +405,43 @@ def _memmove_all(moves: list[tuple[int, int, int]],
         return
     todo = iter(pieces)
     lock = threading.Lock()
+    failed: list[BaseException] = []  # a copy that failed on any thread: raised here
 
     def work() -> None:
-        while True:
+        try:
+            while True:
+                with lock:
+                    piece = None if failed else next(todo, None)
+                if piece is None:
+                    return
+                i, *copy_args = piece
+                ctypes.memmove(*copy_args)
+                with lock:
+                    left[i] -= 1
+                    last = left[i] == 0
+                if last and landed is not None:
+                    landed(i)
+        except BaseException as e:
             with lock:
-                piece = next(todo, None)
-            if piece is None:
-                return
-            i, *copy_args = piece
-            ctypes.memmove(*copy_args)
-            with lock:
-                left[i] -= 1
-                last = left[i] == 0
-            if last and landed is not None:
-                landed(i)
+                failed.append(e)  # the others stop taking pieces
 
     helpers = [threading.Thread(target=work, name="ckptmgr-stage", daemon=True)
                for _ in range(workers - 1)]
-    for t in helpers:
-        t.start()
-    work()
-    for t in helpers:
-        t.join()
+    try:
+        for t in helpers:
+            t.start()
+        work()
+    except BaseException as e:  # a thread that could not start
+        with lock:
+            failed.append(e)
+    finally:
+        # No helper goes on writing into the buffers once this returns or raises (a later save
+        # reuses them).
+        for t in helpers:
+            if t.ident is not None:
+                t.join()
+    if failed:
+        raise failed[0]
 
 
 def _plain_cpu(t: torch.Tensor) -> bool:

@@ -103,17 +103,34 @@ def test_the_writer_waits_for_a_buffer_whose_copy_is_held_back(
         assert _equal(out, second)
 
 
+@pytest.mark.parametrize("on", ["caller", "helper"])
+@pytest.mark.parametrize("overlapped", [True, False])
 def test_a_failed_copy_fails_that_save_once_and_the_next_one_commits(
-        local_root: str, overlap: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        local_root: str, monkeypatch: pytest.MonkeyPatch, on: str, overlapped: bool) -> None:
+    """On the caller's thread or on a copy helper (whose failure was lost before: the save
+    committed a buffer whose copy had failed), with the overlap and without."""
+    monkeypatch.setattr(_save_path, "OVERLAP_STAGING", overlapped)
+    monkeypatch.setattr(_async, "_copy_workers", lambda: 2)  # one helper thread
     with CheckpointManager(local_root, save_interval=1) as mgr:
         state = _state(3)
         memmove = ctypes.memmove
         calls = {"n": 0}
 
+        caller = threading.current_thread()
+        failing_started = threading.Event()
+
         def failing_memmove(dst: int, src: int, n: int) -> Any:
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise MemoryError("injected: the copy into staging failed")
+            # Only the staging copies (ctypes.memmove is also the direct writer's); the other
+            # copying thread waits until the failing one took a piece (it could take them all).
+            me = threading.current_thread()
+            helper = me.name.startswith("ckptmgr-stage")
+            if (me is caller and on == "caller") or (helper and on == "helper"):
+                calls["n"] += 1
+                failing_started.set()
+                if calls["n"] == 1:
+                    raise MemoryError("injected: the copy into staging failed")
+            elif me is caller or helper:
+                failing_started.wait(10)
             return memmove(dst, src, n)
 
         monkeypatch.setattr(_async.ctypes, "memmove", failing_memmove)
