@@ -52,6 +52,12 @@ def main(argv: list[str]) -> None:
         st = state(model, opt, latest)
         mgr.restore(latest, st)
         start = latest + 1
+    if mode == "thread":
+        # Half the lives (by the step they resume at) write while the state is still being
+        # copied into staging (the default only where a CPU is spare), so kills land there too.
+        from ckptmgr import _save_path
+
+        _save_path.OVERLAP_STAGING = start % 2 == 1
     say("ready", start, os.getpid())
     for step in range(start, start + steps):
         train_step(model, opt, step)
