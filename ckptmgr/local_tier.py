@@ -104,7 +104,9 @@ from ckptmgr.errors import (
     ConfigError,
     CorruptCheckpointError,
     LeaseError,
+    RestoreError,
     SaveError,
+    StateMismatchError,
     StorageError,
     UnsafeCheckpointError,
 )
@@ -288,6 +290,9 @@ class LocalTier:
         self.owed: set[int] = set()  # due on the durable tier, not uploaded yet: kept (uploader)
         self.last_failure: str | None = None  # why the last restore of a step fell back
         self.last_failure_touched = False  # whether that restore had written into the target
+        # Whether every failure of that restore was about the target state, not the step
+        # (_target_kind: "unsafe", or "mismatch"): the step is kept and listed.
+        self.last_target: str | None = None
         # Peer replicas (docs/multitier.md "Peer replicas"); a reader never writes or heals, so
         # it ignores them.
         self.replicas = 0 if cfg.read_only else cfg.local.replicas
@@ -1102,14 +1107,17 @@ class LocalTier:
         the durable tier, which overwrites whatever was read, so the state never mixes the tiers.
         """
         self.last_failure = None
+        self.last_target = None
         self.wait_replicas()
         if step not in self.steps:
             return None
         why, verified, io = self._fetch(step, comm, verify_bytes=not fallback) if (
             self.replicas) else (None, False, False)
+        target: str | None = None
         if why is None:
-            why, io = self._readable(step, state_dict, verify_bytes=not (fallback or verified))
-        if not self._agreed(comm, why, step, "before reading", io=io):
+            why, io, target = self._readable(step, state_dict,
+                                             verify_bytes=not (fallback or verified))
+        if not self._agreed(comm, why, step, "before reading", io=io, target=target):
             return None
         err: str | None = None
         nbytes = 0
@@ -1117,8 +1125,8 @@ class LocalTier:
             nbytes = self._load(step, state_dict, allow_partial=allow_partial, trusted=trusted,
                                 verify=verify)
         except Exception as e:  # any rank's failure must reach the agreement, not hang it
-            err, io = f"{type(e).__name__}: {e}", is_read_failure(e)
-        if not self._agreed(comm, err, step, "while reading", io=io):
+            err, io, target = f"{type(e).__name__}: {e}", is_read_failure(e), _target_kind(e)
+        if not self._agreed(comm, err, step, "while reading", io=io, target=target):
             return None
         log.info("restored step %d from the local tier %s (%d bytes read on this rank)", step,
                  self.root, nbytes)
@@ -1193,9 +1201,22 @@ class LocalTier:
         return _OK if save == agreed and all(files.get(e.path) == e.size for e in m.files) else (
             _DAMAGED)
 
-    def unreadable(self, step: int, available: list[int]) -> CorruptCheckpointError:
+    def unreadable(self, step: int, available: list[int]) -> RestoreError:
         """The error of a step held only by this tier whose :meth:`restore` fell back (every
-        rank alike: :attr:`last_failure` says why)."""
+        rank alike: :attr:`last_failure` says why): :class:`StateMismatchError` (or
+        :class:`UnsafeCheckpointError`) when every failure was about the target state (the step
+        is kept), else :class:`CorruptCheckpointError`."""
+        if self.last_target is not None:
+            where = (f"step {step} is held only by the local tier ({self.root} on each rank) "
+                     f"and cannot be restored into the given state: {self.last_failure}. The "
+                     "step is kept. ")
+            if self.last_target == "unsafe":
+                return UnsafeCheckpointError(where + "Pass trusted=True if you trust it",
+                                             step=step)
+            return StateMismatchError(
+                where + "Give a state with its keys, shapes and dtypes (and each DTensor "
+                "sharded as when it was saved, until its durable copy is made), or "
+                f"allow_partial=True, or restore another step: {available}", step=step)
         return CorruptCheckpointError(
             f"step {step} is held only by the local tier ({self.root} on each rank) and cannot "
             f"be read there: {self.last_failure}. " + (
@@ -1204,25 +1225,37 @@ class LocalTier:
             step=step)
 
     def _agreed(self, comm: Comm, why: str | None, step: int, when: str, *,
-                io: bool = False) -> bool:
+                io: bool = False, target: str | None = None) -> bool:
         """(collective) Whether every rank could (``why`` None here); if not, ``step`` is
         whole no more on every rank (not listed or restored from this tier unless saved again).
         ``io``: this rank's failure was a read that failed (an I/O error), not a finding. When
         every failure was one, nothing is known to be wrong with any part: the ranks that could
         not read keep theirs as unread and the others as good, so an owed step stays on every
-        rank (:meth:`_agree_and_prune`); else every rank's copy goes at the next local save."""
-        whys = comm.all_gather((why, io))
-        bad = {r: w for r, (w, _) in enumerate(whys) if w is not None}
+        rank (:meth:`_agree_and_prune`); else every rank's copy goes at the next local save.
+        ``target``: this rank's failure was about the target state (:func:`_target_kind`), not
+        the step: when every failure was one, the step stays listed and kept on every rank
+        (:attr:`last_target`)."""
+        whys = comm.all_gather((why, io, target))
+        bad = {r: w for r, (w, _, _) in enumerate(whys) if w is not None}
         if not bad:
             return True
         self.last_failure = "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
         self.last_failure_touched = when == "while reading"
+        kinds = [t for w, _, t in whys if w is not None]
+        if all(kinds):
+            self.last_target = "unsafe" if "unsafe" in kinds else "mismatch"
+            log.warning("step %d cannot be restored from the local tier into the given state "
+                        "(%s: %s); the step is kept", step, when, self.last_failure)
+            return False
+        whys = [(w, i, t) for w, i, t in whys if t is None]  # the step is judged by the others
+        if target is not None:
+            why = None  # this rank's copy is not in question
         log.warning("step %d cannot be restored from the local tier (%s: %s); every rank "
                     "restores the durable tier instead", step, when,
                     "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items())))
         self.steps = [s for s in self.steps if s != step]
         self._void.add(step)  # on every rank: it never becomes whole again unless re-saved
-        if not all(failed_io for w, failed_io in whys if w is not None):
+        if not all(failed_io for w, failed_io, _ in whys if w is not None):
             self._bad.add(step)  # a finding on some rank: deleted everywhere, as it always was
             self._read_failed.pop(step, None)
         elif why is not None:
@@ -1231,33 +1264,38 @@ class LocalTier:
         return False
 
     def _readable(self, step: int, state_dict: Mapping[str, Any], *,
-                  verify_bytes: bool) -> tuple[str | None, bool]:
+                  verify_bytes: bool) -> tuple[str | None, bool, str | None]:
         """Why this rank cannot read ``step`` from its local tier, or None (reads no data unless
-        ``verify_bytes``); and whether that is a read that failed (an I/O error)."""
+        ``verify_bytes``); whether that is a read that failed (an I/O error); and whether it is
+        the target state that does not fit (:func:`_target_kind`; the step is not in question:
+        a DTensor sharded otherwise than when it was saved, a state the tier cannot hold)."""
         assert self.store is not None
         try:
             m = self.store.read_manifest(step)
             info = self._check_owner(m)
             save = info.get("save")
             if (save if isinstance(save, str) else None) != self._agreed_saves.get(step):
-                return "it holds another save of this step than the ranks agreed on", False
+                return "it holds another save of this step than the ranks agreed on", False, None
             status = self._verifies(step)[0] if verify_bytes else _OK
             if status == _IO_ERROR:
-                return "a read of its files failed (an I/O error)", True
+                return "a read of its files failed (an I/O error)", True, None
             if status != _OK:
-                return "its files do not match their sizes and checksums", False
+                return "its files do not match their sizes and checksums", False, None
             files = self.store.storage.list_files(step_dir_name(step))
             for entry in m.files:
                 if files.get(entry.path) != entry.size:
-                    return f"{entry.path} is missing or has another size", False
+                    return f"{entry.path} is missing or has another size", False, None
             saved = info.get("dtensors", {})
-            _, layout = local_view(flatten_state(state_dict).flat)
-            for key in sorted(set(layout) | set(saved)):
-                if key in layout and key in saved and layout[key] != saved[key]:
-                    return f"{key} is sharded differently than when it was saved", False
         except (CkptmgrError, StorageError, TypeError) as e:
-            return f"{type(e).__name__}: {e}", is_read_failure(e)
-        return None, False
+            return f"{type(e).__name__}: {e}", is_read_failure(e), None
+        try:
+            _, layout = local_view(flatten_state(state_dict).flat)
+        except (CkptmgrError, TypeError) as e:
+            return f"{type(e).__name__}: {e}", False, _target_kind(e) or "mismatch"
+        for key in sorted(set(layout) | set(saved)):
+            if key in layout and key in saved and layout[key] != saved[key]:
+                return f"{key} is sharded differently than when it was saved", False, "mismatch"
+        return None, False, None
 
     def _load(self, step: int, state_dict: Mapping[str, Any], *, allow_partial: bool,
               trusted: bool, verify: bool) -> int:
@@ -1356,6 +1394,16 @@ def _save_order(save: str | None) -> tuple[int, int, str]:
         return (int(clock, 16) if dot else 0, int(count), save or "")
     except ValueError:
         return (0, 0, save or "")
+
+
+def _target_kind(e: BaseException) -> str | None:
+    """Whether a restore's failure ``e`` is about the target state, not the step read: a state
+    that does not match it (missing keys, shapes, dtypes), one the local tier cannot hold (a
+    TypeError), or pickled values without ``trusted=True``: "unsafe" or "mismatch"; None
+    otherwise (the step is in question)."""
+    if isinstance(e, UnsafeCheckpointError):
+        return "unsafe"
+    return "mismatch" if isinstance(e, (StateMismatchError, TypeError)) else None
 
 
 def is_read_failure(e: BaseException) -> bool:

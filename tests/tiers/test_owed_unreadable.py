@@ -20,7 +20,7 @@ from _procs import run_ranks
 
 import ckptmgr
 from ckptmgr import AsyncSaveError
-from ckptmgr.errors import CorruptCheckpointError, StorageError
+from ckptmgr.errors import CorruptCheckpointError, StateMismatchError, StorageError
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -395,3 +395,61 @@ def test_a_resuming_job_finds_the_owed_step_its_restart_uploads(tmp_path: Path) 
     run_ranks(_resume, 2, durable, nodes, "save", timeout_s=120)
     res = run_ranks(_resume, 2, durable, nodes, "flaky", timeout_s=120)
     assert res == [{"listed": [10], "latest": 10, "exact": True}] * 2, res
+
+
+def test_an_owed_step_restored_into_a_state_that_does_not_match_is_kept(tmp_path: Path) -> None:
+    # Step 10 is owed and held only by the local tier. A restore into a state with a key the
+    # checkpoint lacks is the caller's mistake, not the step's: before, it was taken as a
+    # finding (CorruptCheckpointError), the step delisted and deleted at the next local save.
+    # Now the real error is raised and the step stays listed, restorable and kept.
+    durable, nodes = str(tmp_path / "durable"), str(tmp_path / "nodes")
+    own = Path(nodes, "rank-0")
+    kw: dict[str, Any] = {"save_interval": 10, "local_interval": 5, "local_path": nodes}
+    with ckptmgr.CheckpointManager(durable, **kw) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.close()  # its upload never runs in this job
+        mgr.save_async(10, _state(10))
+        mgr.join()
+        with pytest.raises(StateMismatchError, match="missing"):
+            mgr.restore(10, {**_target(), "missing": torch.zeros(1)})
+        mgr.save_async(15, _state(15))
+        mgr.join()
+        assert mgr.all_steps() == [10, 15] and (own / "10" / "commit.json").exists()
+        target = _target()
+        mgr.restore(10, target)
+        assert _equal(target, _state(10))
+
+
+def _other_layout(rank: int, world: int, durable: str, nodes: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(8.0)
+    kw: dict[str, Any] = {"local_interval": 5, "local_path": f"{nodes}/node{rank}"}
+    with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.close()  # its upload never runs in this job
+        mgr.save_async(10, {"w": distribute_tensor(full, mesh, [Shard(0)])})
+        mgr.join()
+        err = None
+        try:
+            mgr.restore(10, {"w": distribute_tensor(torch.zeros(8), mesh, [Replicate()])})
+        except ckptmgr.CkptmgrError as e:
+            err = type(e).__name__
+        mgr.save_async(15, {"w": distribute_tensor(full, mesh, [Shard(0)])})
+        mgr.join()
+        target = {"w": distribute_tensor(torch.zeros(8), mesh, [Shard(0)])}
+        mgr.restore(10, target)
+        return {"err": err, "all": mgr.all_steps(),
+                "exact": torch.equal(target["w"].full_tensor(), full)}
+
+
+def test_an_owed_step_restored_into_another_layout_is_kept(tmp_path: Path) -> None:
+    # The local tier puts a DTensor back only into the layout it was saved with; until its
+    # durable copy is made, a restore into another layout fails with StateMismatchError (the
+    # target's doing) and the step stays listed and kept (before: CorruptCheckpointError, and
+    # the step was deleted on every rank at the next local save).
+    durable, nodes = str(tmp_path / "durable"), str(tmp_path / "nodes")
+    res = run_ranks(_other_layout, 2, durable, nodes, timeout_s=120)
+    assert res == [{"err": "StateMismatchError", "all": [10, 15], "exact": True}] * 2, res
