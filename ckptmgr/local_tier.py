@@ -915,12 +915,13 @@ class LocalTier:
 
         Never deleted, besides the whole steps kept: a step owed to the durable tier (this
         rank's :attr:`owed`) whose own copy here is not known to be damaged; and, on every rank
-        alike, a step some rank reports owed that is not whole only because some rank could
-        not read its own part (an I/O error, not a finding: :func:`_in_doubt`), with its
-        replicas. Such a step is kept until its copy is made (then it is owed no more) or a
-        rank finds its part damaged, missing or another save; a read error alone never loses
-        the only copy of a checkpoint. Its upload reads every byte again (a read that fails
-        again fails the upload, and the step stays owed)."""
+        alike, a step some rank reports owed whose own copies each verified or could not be
+        read (an I/O error, not a finding: :func:`_in_doubt`), at least one not, with its
+        replicas: also when it is whole by a replica of the part a rank could not read (its
+        durable copy reads own copies only). Such a step is kept until its copy is made (then
+        it is owed no more) or a rank finds its part damaged, missing or another save; a read
+        error alone never loses the only copy of a checkpoint. Its upload reads every byte
+        again (a read that fails again fails the upload, and the step stays owed)."""
         mine: list[int] = []
         unread: list[int] = []  # steps whose manifest this rank cannot read now (left alone)
         listed = self.store is not None
