@@ -583,8 +583,9 @@ FLOOR_OF = {"write": "floor.write", "read": "floor.read", "blocking": "floor.d2h
 WRITE_FLOORS = ["floor.write", "floor.write_stream", "floor.write_direct"]
 # Every row the dry-run test expects (a failed method shows as an error instead).
 ROWS = ["floor.d2h", "floor.h2d", "floor.write", "floor.write_stream", "floor.read", "dcp.save",
-        "dcp.load", "dcp_async.returned", "dcp_async.staged", "dcp_async.total", "ckptmgr_thread.blocking",
-        "ckptmgr_thread.total", "ckptmgr.restore", "ckptmgr_process.blocking",
+        "dcp.load", "dcp_async.returned", "dcp_async.staged", "dcp_async.total",
+        "ckptmgr_thread.blocking", "ckptmgr_thread.total", "ckptmgr.restore",
+        "ckptmgr_process.blocking",
         "ckptmgr_process.total", "compute_lost.dcp_async", "compute_lost.ckptmgr_thread",
         "compute_lost.ckptmgr_process"]
 

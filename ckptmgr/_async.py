@@ -33,6 +33,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ckptmgr._shm import ALIGN, ArenaSet, pack
+from ckptmgr._threads import finish_surely
 from ckptmgr.dcp.shards import ShardedTensor, StagedDTensor, StagedShards
 from ckptmgr.errors import SaveError
 from ckptmgr.storage.local import forget_huge_pages, note_huge_pages
@@ -347,14 +348,21 @@ class StagingCopies:
         try:
             _memmove_all(self._moves, landed=lambda i: self._landed[i].set())
         except BaseException as e:
-            self._error = e
+            self.abort(e)
             raise
-        finally:
-            if t_call is not None:
-                self._blocking_s = time.perf_counter() - t_call
-            for ev in self._landed:  # after _error: a waiter woken by a failure raises
-                ev.set()
-            self._done.set()
+        if t_call is not None:
+            self._blocking_s = time.perf_counter() - t_call
+        self._done.set()
+
+    def abort(self, error: BaseException) -> None:
+        """(caller) Staging failed or was interrupted: every writer waiting now or later for a
+        buffer not yet landed raises, so nothing of this save is committed. Idempotent; called
+        before the caller waits for the job (which then cannot wait forever)."""
+        if self._error is None:
+            self._error = error
+        for ev in self._landed:  # after _error: a waiter woken by a failure raises
+            ev.set()
+        self._done.set()
 
     def blocking_s(self) -> float:
         """(writer) How long the caller was blocked (``run``'s ``t_call`` to its end); waits
@@ -406,12 +414,13 @@ def _memmove_all(moves: list[tuple[int, int, int]],
     todo = iter(pieces)
     lock = threading.Lock()
     failed: list[BaseException] = []  # a copy that failed on any thread: raised here
+    stopping = [False]  # no piece is taken once set
 
     def work() -> None:
         try:
             while True:
                 with lock:
-                    piece = None if failed else next(todo, None)
+                    piece = None if failed or stopping[0] else next(todo, None)
                 if piece is None:
                     return
                 i, *copy_args = piece
@@ -436,10 +445,12 @@ def _memmove_all(moves: list[tuple[int, int, int]],
             failed.append(e)
     finally:
         # No helper goes on writing into the buffers once this returns or raises (a later save
-        # reuses them).
+        # reuses them), whatever interrupts the joins.
+        with lock:
+            stopping[0] = True
         for t in helpers:
             if t.ident is not None:
-                t.join()
+                finish_surely(t.join)
     if failed:
         raise failed[0]
 

@@ -348,19 +348,27 @@ class SavePath:
             self._queue.submit(lambda: self._write(ready, staged, self._worker, blocking_s,
                                                    wire), name=name)
             return
-        open_gate(copies)
-        try:
-            self._queue.submit(lambda: self._write(ready, staged, self._worker, None,
-                                                   staging=copies), name=name)
+        def job() -> None:
             try:
-                copies.run(req.t_call)
-            except BaseException:
-                # The job fails at its next read of a staging buffer (or has ended): its error
-                # is this one's consequence; this one is raised.
-                self._queue.wait()
-                raise
-        finally:
-            close_gate(copies)
+                self._write(ready, staged, self._worker, None, staging=copies)
+            finally:
+                close_gate(copies)  # the job's own: open for as long as it may read a buffer
+
+        open_gate(copies)
+        submitted = False
+        try:
+            self._queue.submit(job, name=name)
+            submitted = True
+            copies.run(req.t_call)
+        except BaseException as e:
+            # First of all, before any wait: the job's next read of a buffer not yet landed
+            # raises (nothing of this save is committed; it cannot wait forever either).
+            copies.abort(e)
+            if not submitted:
+                close_gate(copies)
+            else:
+                self._queue.wait()  # its error is this one's consequence; this one is raised
+            raise
 
     def _preemption_save(self, req: _Request, state_dict: Mapping[str, Any],
                          signum: int) -> bool:

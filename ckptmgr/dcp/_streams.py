@@ -8,6 +8,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
 
+from ckptmgr._threads import finish_surely
+
 __all__ = ["Stopped", "run_streams", "split_runs"]
 
 T = TypeVar("T")
@@ -33,7 +35,8 @@ def split_runs(sizes: Sequence[int], num: int, min_bytes: int) -> list[int]:
 
 def run_streams(work: Callable[[int, threading.Event], T], num: int, *, name: str,
                 always_thread: bool = False,
-                thread_setup: Callable[[], object] | None = None) -> list[T]:
+                thread_setup: Callable[[], object] | None = None,
+                stop: threading.Event | None = None) -> list[T]:
     """Run ``work(i, stop)`` for each stream ``i`` in ``range(num)``; blocks until all have ended.
 
     One stream runs on the calling thread unless ``always_thread``; otherwise each stream gets a
@@ -41,8 +44,9 @@ def run_streams(work: Callable[[int, threading.Event], T], num: int, *, name: st
     thread is never passed to it: e.g. a raised nice value can never be undone there).
 
     A stream that fails sets ``stop``; the others should check it between pieces of work and raise
-    :class:`Stopped`. Every stream has ended before this returns or raises, so no thread is left
-    touching the caller's buffers.
+    :class:`Stopped`. The caller may pass ``stop`` to stop the streams from another thread. Every
+    stream has ended before this returns or raises, so no thread is left touching the caller's
+    buffers.
 
     Returns:
         The streams' results, in stream order.
@@ -51,7 +55,7 @@ def run_streams(work: Callable[[int, threading.Event], T], num: int, *, name: st
         The first failure in time that is not :class:`Stopped` (a stream's own exception, as is).
     """
     assert num >= 1, "run_streams needs at least one stream"
-    stop = threading.Event()
+    halt = stop if stop is not None else threading.Event()
     lock = threading.Lock()
     results: list[T | None] = [None] * num
     failures: list[BaseException] = []  # in the order they happened
@@ -60,9 +64,9 @@ def run_streams(work: Callable[[int, threading.Event], T], num: int, *, name: st
         try:
             if on_own_thread and thread_setup is not None:
                 thread_setup()
-            results[i] = work(i, stop)
+            results[i] = work(i, halt)
         except BaseException as e:
-            stop.set()
+            halt.set()
             with lock:
                 failures.append(e)
 
@@ -76,8 +80,14 @@ def run_streams(work: Callable[[int, threading.Event], T], num: int, *, name: st
                    for i in range(num)]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                t.join()
+        except BaseException:  # interrupted: the streams stop, and have ended when this raises
+            halt.set()
+            for t in threads:
+                finish_surely(t.join)
+            raise
     if failures:
         raise next((e for e in failures if not isinstance(e, Stopped)), failures[0])
     return cast("list[T]", results)  # every stream finished, so each slot holds its result

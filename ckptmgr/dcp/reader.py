@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ckptmgr._threads import finish_surely
 from ckptmgr.codec.checksum import Hasher, checksum
 from ckptmgr.codec.layout import is_shared_chunk_path, join
 from ckptmgr.codec.manifest import Manifest
@@ -529,39 +530,47 @@ class CkptStorageReader(StorageReader):
                 staging.release(w, buf)
             return
         pending: dict[int, tuple[_Pending[None], torch.Tensor | None]] = {}
-        with ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-restore") as reader:
+        stop = threading.Event()
+        reader = ThreadPoolExecutor(1, thread_name_prefix="ckptmgr-restore")
 
-            def start(i: int) -> None:
-                buf = staging.place(windows[i])
-                # In the caller's context: the operation's retry budget follows the reads.
-                pending[i] = (reader.submit(contextvars.copy_context().run,
-                                            self._fetch_window, windows[i]), buf)
+        def start(i: int) -> None:
+            buf = staging.place(windows[i])
+            # In the caller's context: the operation's retry budget follows the reads.
+            pending[i] = (reader.submit(contextvars.copy_context().run,
+                                        self._fetch_window, windows[i], stop), buf)
 
-            try:
-                for i, w in enumerate(windows):
-                    if i not in pending:
-                        start(i)
-                    # The next window is read while this one is committed, unless the two
-                    # would hold more staging than _MAX_BUFFERED (a chunk over a window).
-                    nxt = i + 1
-                    if nxt < len(windows) and (
-                            staging.size(w) + staging.size(windows[nxt]) <= _MAX_BUFFERED):
-                        start(nxt)
-                    fut, buf = pending.pop(i)
-                    fut.result()
-                    self._commit_window(w, planner)
-                    staging.release(w, buf)
-            except BaseException:
-                for fut, _ in pending.values():
-                    fut.cancel()  # the one running is waited for as the executor shuts down
-                raise
+        try:
+            for i, w in enumerate(windows):
+                if i not in pending:
+                    start(i)
+                # The next window is read while this one is committed, unless the two would
+                # hold more staging than _MAX_BUFFERED (a chunk over a window).
+                nxt = i + 1
+                if nxt < len(windows) and (
+                        staging.size(w) + staging.size(windows[nxt]) <= _MAX_BUFFERED):
+                    start(nxt)
+                fut, buf = pending.pop(i)
+                fut.result()
+                self._commit_window(w, planner)
+                staging.release(w, buf)
+        except BaseException:
+            stop.set()  # the window being read stops at its next item
+            for fut, _ in pending.values():
+                fut.cancel()
+            raise
+        finally:
+            # The reader thread has ended before this returns or raises, whatever interrupts
+            # the wait: it writes into the caller's tensors.
+            finish_surely(lambda: reader.shutdown(wait=True))
 
-    def _fetch_window(self, reads: list[_TensorRead]) -> None:
-        """Read ``reads`` (sorted by file and offset) on up to ``num_threads`` streams."""
+    def _fetch_window(self, reads: list[_TensorRead], stop: threading.Event | None = None
+                      ) -> None:
+        """Read ``reads`` (sorted by file and offset) on up to ``num_threads`` streams; ``stop``
+        (set by another thread) stops them at their next item."""
         starts = split_runs([r.loc.length for r in reads], self.num_threads, _MIN_STREAM_BYTES)
         runs = [reads[a:b] for a, b in zip(starts, [*starts[1:], len(reads)], strict=True)]
-        run_streams(lambda i, stop: self._read_run(runs[i], stop), len(runs),
-                    name="ckptmgr-read")
+        run_streams(lambda i, halt: self._read_run(runs[i], halt), len(runs),
+                    name="ckptmgr-read", stop=stop)
 
     def _commit_window(self, reads: list[_TensorRead], planner: LoadPlanner) -> None:
         """(calling thread) Check the reads of a window that was read and commit them in order:

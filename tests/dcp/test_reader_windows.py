@@ -118,11 +118,11 @@ def test_the_next_window_is_read_while_the_last_is_copied_out(
     fetched: list[int] = []
     fetch, commit = reader.CkptStorageReader._fetch_window, reader.CkptStorageReader._commit_window
 
-    def spy_fetch(self: Any, reads: Any) -> None:
+    def spy_fetch(self: Any, reads: Any, *stop: Any) -> None:
         fetched.append(len(reads))
         if len(fetched) == 2:
             second_read.set()
-        fetch(self, reads)
+        fetch(self, reads, *stop)
 
     def gated_commit(self: Any, reads: Any, planner: Any) -> None:
         if len(fetched) <= 2:  # the first window's copy-out waits for the second read
@@ -171,11 +171,11 @@ def test_a_read_error_in_the_next_window_waits_for_it_and_fails(
     fetched: list[int] = []
     fetch = reader.CkptStorageReader._fetch_window
 
-    def failing_fetch(self: Any, reads: Any) -> None:
+    def failing_fetch(self: Any, reads: Any, *stop: Any) -> None:
         fetched.append(len(reads))
         if len(fetched) == 2:
             raise OSError(5, "Input/output error (injected)")
-        fetch(self, reads)
+        fetch(self, reads, *stop)
 
     monkeypatch.setattr(reader.CkptStorageReader, "_fetch_window", failing_fetch)
     with pytest.raises(CheckpointException) as info:

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from ckptmgr._threads import finish_surely
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
 
 
@@ -89,3 +90,38 @@ def test_first_failure_in_time_wins() -> None:
     with pytest.raises(ValueError, match="first"):
         run_streams(work, 2, name="t")
     assert second.is_set()
+
+
+def test_finish_surely_joins_through_an_interrupt_then_raises_it() -> None:
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait, daemon=True)
+    worker.start()
+    calls = {"n": 0}
+
+    def join() -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:  # a Ctrl-C during the first join
+            release.set()
+            raise KeyboardInterrupt("during the join")
+        worker.join()
+
+    with pytest.raises(KeyboardInterrupt, match="during the join"):
+        finish_surely(join)
+    assert calls["n"] == 2 and not worker.is_alive()
+
+
+def test_an_outside_stop_stops_the_streams_at_their_next_piece() -> None:
+    stop = threading.Event()  # the caller's: set here by a stream, as another thread would
+    pieces: list[int] = []
+
+    def work(i: int, halt: threading.Event) -> None:
+        for k in range(100_000):
+            if halt.is_set():
+                raise Stopped
+            pieces.append(k)
+            if len(pieces) >= 10:
+                stop.set()
+
+    with pytest.raises(Stopped):
+        run_streams(work, 2, name="t", always_thread=True, stop=stop)
+    assert len(pieces) < 1000

@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from ckptmgr import CheckpointManager
-from ckptmgr import _async, _save_path
+from ckptmgr import AsyncSaveError, CheckpointManager, _async, _save_path
+from ckptmgr._async import SaveQueue
+from ckptmgr.dcp import writer as dcp_writer
 
 MiB = 1 << 20
 
@@ -154,3 +155,83 @@ def test_the_default_overlaps_only_with_a_cpu_to_spare(monkeypatch: pytest.Monke
     monkeypatch.setattr(_async, "_cpus", lambda: 16)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     assert _async.spare_core()  # 4 copy threads, the writer has a CPU of its own
+
+
+@pytest.mark.timeout(60)
+def test_a_second_interrupt_while_save_async_waits_for_the_job_commits_nothing(
+        local_root: str, overlap: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy is interrupted (Ctrl-C), then a second Ctrl-C lands while ``save_async`` waits for
+    the job, and only then does the job read: the copies were aborted first, so the job fails
+    instead of committing buffers whose copies never ran (before: the gate closed with the
+    caller's wait and the job committed zeros; found by a review)."""
+    state = {f"t{i}": torch.full((1 << 18,), float(i + 1)) for i in range(3)}
+    with CheckpointManager(local_root, save_interval=1) as mgr:
+        memmove, real_wait, real_qwait = ctypes.memmove, dcp_writer.wait_staged, SaveQueue.wait
+        caller = threading.current_thread()
+        calls = {"n": 0}
+        job_may_read = threading.Event()
+
+        def interrupted_memmove(dst: int, src: int, n: int) -> Any:
+            if threading.current_thread() is caller and in_copies.is_set():
+                calls["n"] += 1
+                if calls["n"] == 2:
+                    raise KeyboardInterrupt("first Ctrl-C, during the copies")
+            return memmove(dst, src, n)
+
+        in_copies = threading.Event()
+        real_run = _async.StagingCopies.run
+
+        def run(self: Any, *a: Any) -> None:
+            in_copies.set()
+            try:
+                real_run(self, *a)
+            finally:
+                in_copies.clear()
+
+        def late_wait_staged(t: torch.Tensor) -> None:
+            assert job_may_read.wait(30)
+            real_wait(t)
+
+        def interrupted_queue_wait(self: Any) -> Any:
+            if calls["n"] >= 2 and not job_may_read.is_set():  # after the first Ctrl-C
+                job_may_read.set()
+                raise KeyboardInterrupt("second Ctrl-C, while save_async waits for the job")
+            return real_qwait(self)
+
+        monkeypatch.setattr(_async.StagingCopies, "run", run)
+        monkeypatch.setattr(_async.ctypes, "memmove", interrupted_memmove)
+        monkeypatch.setattr(dcp_writer, "wait_staged", late_wait_staged)
+        monkeypatch.setattr(SaveQueue, "wait", interrupted_queue_wait)
+        with pytest.raises(KeyboardInterrupt, match="second"):
+            mgr.save_async(5, state)
+        monkeypatch.setattr(_async.ctypes, "memmove", memmove)
+        monkeypatch.setattr(SaveQueue, "wait", real_qwait)
+        with pytest.raises(AsyncSaveError, match="staging failed"):
+            mgr.join()
+        assert mgr.all_steps() == []
+        assert mgr.save_async(6, state)
+        mgr.join()
+        out = {k: torch.zeros_like(v) for k, v in state.items()}
+        mgr.restore(6, out)
+        assert _equal(out, state)
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_before_the_copies_start_neither_hangs_nor_commits(
+        local_root: str, overlap: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interrupted as the copies are entered, before any ran: the job waiting for its first
+    buffer is released with an error (before: it waited forever, and the process could not
+    exit), and nothing is committed."""
+    state = {f"t{i}": torch.full((1 << 18,), float(i + 1)) for i in range(3)}
+
+    def interrupted_at_entry(self: Any, t_call: Any = None) -> None:
+        raise KeyboardInterrupt("Ctrl-C as the copies are entered")
+
+    with CheckpointManager(local_root, save_interval=1) as mgr:
+        monkeypatch.setattr(_async.StagingCopies, "run", interrupted_at_entry)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.save_async(5, state)
+        monkeypatch.undo()
+        mgr.join()  # the job's failure was this one's consequence: handed back once, above
+        assert mgr.all_steps() == []
+        assert not [t for t in threading.enumerate() if t.name.startswith("ckptmgr-save")]

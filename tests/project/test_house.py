@@ -56,7 +56,7 @@ def test_error_tree() -> None:
 
 # Lower numbers are lower layers; a module may import only its own layer or lower ones.
 LAYERS = {
-    "errors": 0, "_version": 0, "_redact": 0, "_gc": 0, "_exit": 0,
+    "errors": 0, "_version": 0, "_redact": 0, "_gc": 0, "_exit": 0, "_threads": 0,
     "codec": 1, "policy": 1, "config": 1, "info": 1,
     "events": 1, "progress": 1,
     "storage": 2, "step_store": 2, "lease": 2, "_arrivals": 2, "_shm": 2,
@@ -67,7 +67,8 @@ LAYERS = {
     "manager": 6, "tools": 6,
     "cli": 7, "integrations": 7, "__init__": 8, "__main__": 8,
 }
-PURE = {"errors", "_gc", "_exit", "_redact", "_version", "codec", "policy", "config", "info",
+PURE = {"errors", "_gc", "_exit", "_redact", "_threads", "_version", "codec", "policy", "config",
+        "info",
         "events", "progress"}
 
 
