@@ -68,8 +68,7 @@ LAYERS = {
     "cli": 7, "integrations": 7, "__init__": 8, "__main__": 8,
 }
 PURE = {"errors", "_gc", "_exit", "_redact", "_threads", "_version", "codec", "policy", "config",
-        "info",
-        "events", "progress"}
+        "info", "events", "progress"}
 
 
 def _layer_of(parts: list[str]) -> tuple[str, int]:
