@@ -28,6 +28,13 @@ def _state(step: int) -> dict[str, Any]:
     return {"w": torch.full((32,), float(step)), "extra": {"step": step}}
 
 
+
+def _owe_step_10(mgr: ckptmgr.CheckpointManager) -> None:
+    """Save step 10 on the local tier, owed to the durable tier, its upload never run."""
+    assert mgr._uploads is not None
+    mgr._uploads.close()  # as if the job died before the upload
+    mgr.save_async(10, _state(10))
+
 def _target() -> dict[str, Any]:
     return {"w": torch.zeros(32), "extra": {"step": -1}}
 
@@ -81,9 +88,7 @@ def _phase(rank: int, world: int, durable: str, nodes: str, phase: str,
     _no_retry_wait()
     if phase in ("save", "restore"):  # step 10 saved on the local tier, its upload never runs
         with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
-            assert mgr._uploads is not None
-            mgr._uploads.close()  # as if the job died before the upload
-            mgr.save_async(10, _state(10))
+            _owe_step_10(mgr)
             if phase == "save":
                 return {}
             mgr.join()  # committed locally (its upload never runs)
@@ -216,9 +221,7 @@ def _with_replicas(rank: int, world: int, durable: str, nodes: str, phase: str
         _unreadable(nodes, 10, 1)
     with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
         if phase == "save":
-            assert mgr._uploads is not None
-            mgr._uploads.close()  # as if the job died before the upload
-            mgr.save_async(10, _state(10))
+            _owe_step_10(mgr)
             return {}
         mgr.join()
         target = _target()
@@ -281,9 +284,7 @@ def _manifest_phase(rank: int, world: int, durable: str, nodes: str, phase: str,
     failed = None
     with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
         if phase == "save":
-            assert mgr._uploads is not None
-            mgr._uploads.close()  # as if the job died before the upload
-            mgr.save_async(10, _state(10))
+            _owe_step_10(mgr)
             return {}
         for step in (15, 25):
             try:  # a copy that failed at construction is raised by the next save
@@ -334,9 +335,7 @@ def _replicas_session(rank: int, world: int, durable: str, nodes: str, phase: st
     failed = None
     with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
         if phase == "save":
-            assert mgr._uploads is not None
-            mgr._uploads.close()  # as if the job died before the upload
-            mgr.save_async(10, _state(10))
+            _owe_step_10(mgr)
             return {}
         for step in (15, 25):  # local only; step 10 leaves the listing (keep 1)
             try:  # a copy that failed at construction is raised by the next save
@@ -375,9 +374,7 @@ def _resume(rank: int, world: int, durable: str, nodes: str, phase: str) -> dict
         _unreadable(nodes, 10, 1)
     with ckptmgr.CheckpointManager(durable, save_interval=10, **kw) as mgr:
         if phase == "save":
-            assert mgr._uploads is not None
-            mgr._uploads.close()  # as if the job died before the upload
-            mgr.save_async(10, _state(10))
+            _owe_step_10(mgr)
             return {}
         listed = mgr.all_steps()
         target = _target()
