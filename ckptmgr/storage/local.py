@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from ckptmgr._threads import finish_surely
 from ckptmgr.errors import StorageError
 from ckptmgr.storage._stream import StreamEOF, resident_share, stream_into, switch_to_buffered
 from ckptmgr.storage.base import RootEntry
@@ -122,6 +123,15 @@ _COPY_NBUF = 6  # bounce buffers per file when every item is copied
 _COPY_DIV = 64  # each 1/64 of the file: the six hold under 10% of it
 _COPY_BUF_MIN = 4 * 1024 * 1024
 _POOL_IDLE_MAX = 512 * 1024 * 1024  # idle bounce buffers kept for the next file, in bytes
+# Where write_unbuffered's items are copied into the bounce buffers: on the caller's thread
+# (which hashes them too), or on the I/O thread that then writes the buffer, several buffers'
+# copies side by side while the caller hashes. The second takes more CPU in all (memory is read
+# twice out of cache: 1 GiB took 0.278 s of CPU instead of 0.232 s) and so lost on 2 cores
+# (1.10x, 3/10 pairs); it is for hosts where the caller's copy and hashes, not the disk, set the
+# pace. Which one a file system gets is measured like direct against buffered (_PathChooser);
+# True or False forces one. Pieces under _DEFER_MIN are always copied by the caller.
+COPY_IN_IO_THREADS: bool | None = None  # None: chosen by measurement, per file system
+_DEFER_MIN = 64 * 1024
 
 
 class _BouncePool:
@@ -225,9 +235,13 @@ def _drop_cache(fd: int, offset: int, length: int) -> None:
             os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
-class _PathChooser:
-    """Direct or buffered writes for the large files of one file system, by the speed its own
-    recent files reached (module docstring). Thread-safe: streams and ranks' threads share it."""
+_Timer = Callable[[int, float], None]  # (bytes, seconds) of a committed file
+
+
+class _Chooser:
+    """One of two ways to write the large files of one file system (True: the one preferred,
+    taken until both are measured and on a tie within 5%), by the speed its own recent files
+    reached (module docstring). Thread-safe: streams and ranks' threads share it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -262,6 +276,29 @@ class _PathChooser:
             del recent[:-_RECENT]
 
 
+class _PathChooser(_Chooser):
+    """Direct (True) or buffered writes for the large files of one file system; ``copies``: for
+    its direct files, the copies into the bounce buffers made on the caller's thread (True: less
+    CPU in all) or on the I/O threads (``COPY_IN_IO_THREADS``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies = _Chooser()
+
+
+def _all_of(timers: list[_Timer]) -> _Timer | None:
+    """One timer that reports to each of ``timers`` (None for none)."""
+    if not timers:
+        return None
+    if len(timers) == 1:
+        return timers[0]
+
+    def report(nbytes: int, seconds: float) -> None:
+        for t in timers:
+            t(nbytes, seconds)
+    return report
+
+
 def _median(xs: list[float]) -> float:
     s = sorted(xs)
     mid = len(s) // 2
@@ -292,9 +329,6 @@ def _chooser_for(directory: str) -> _PathChooser | None:
         return None
     with _CHOOSERS_LOCK:
         return _CHOOSERS.setdefault(dev, _PathChooser())
-
-
-_Timer = Callable[[int, float], None]  # (bytes, seconds) of a committed file
 
 
 def _next_batch(views: list[memoryview], i: int) -> list[memoryview]:
@@ -488,6 +522,15 @@ def direct_buffer_size(size_hint: int | None) -> int:
     return max(min(least, _DIRECT_BUF), min(want, _DIRECT_BUF))
 
 
+# A deferred copy into a bounce buffer: the destination address, the source, its memory's owner.
+_Copy = tuple[int, memoryview, object]
+
+
+def _make_copies(copies: list[_Copy]) -> None:
+    for dst, src, _keep in copies:  # ctypes' memmove releases the GIL while it copies
+        ctypes.memmove(dst, (ctypes.c_char * len(src)).from_buffer(src), len(src))
+
+
 class _DirectWriter:
     """A file written with ``O_DIRECT`` (module docstring), by up to ``_DIRECT_THREADS`` I/O
     threads, several writes in flight.
@@ -508,8 +551,9 @@ class _DirectWriter:
 
     def __init__(self, storage: LocalStorage, path: str, fd: int,
                  bufsize: int = _DIRECT_BUF, size_hint: int | None = None,
-                 timer: _Timer | None = None) -> None:
+                 timer: _Timer | None = None, *, io_copies: bool = False) -> None:
         self._timer = timer
+        self._io_copies = io_copies
         self._t0 = time.perf_counter()
         self._bufsize = bufsize
         self._storage = storage
@@ -523,8 +567,11 @@ class _DirectWriter:
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(1, nbuf):
             self._free.put(i)
-        # (bytes, file offset, bounce buffer to hand back or -1, object kept alive until written)
-        self._work: queue.Queue[tuple[memoryview, int, int, object] | None] = queue.Queue()
+        # (bytes, file offset, bounce buffer to hand back or -1, object kept alive until written,
+        # copies into that buffer to make first: (its address + offset, source, source's owner))
+        self._work: queue.Queue[tuple[memoryview, int, int, object, list[_Copy]] | None] = (
+            queue.Queue())
+        self._copies: list[_Copy] = []  # copies into the buffer being filled, not made yet
         self._threads: list[threading.Thread] = []
         self._error: OSError | None = None
         self._cur = 0  # the buffer being filled
@@ -553,14 +600,20 @@ class _DirectWriter:
         for b in bufs:
             self._copy_in(memoryview(b).cast("B"))
 
-    def _copy_in(self, mv: memoryview, *, counted: bool = False) -> None:
+    def _copy_in(self, mv: memoryview, *, counted: bool = False, keep: object = None,
+                 defer: bool = False) -> None:
         """Copy ``mv`` into the bounce buffers (``counted``: its bytes are in ``_size``
-        already, as a run's tail is)."""
+        already, as a run's tail is). ``defer``: ``mv`` stays alive and unchanged until
+        ``commit`` or ``abort`` (``keep`` holds its memory), so the I/O thread that writes a
+        buffer makes its large copies (where this file's copies go there)."""
         pos, n = 0, len(mv)
+        defer = defer and self._io_copies and not mv.readonly
         while pos < n:
             take = min(n - pos, self._bufsize - self._fill)
             piece = mv[pos:pos + take]
-            if piece.readonly:
+            if defer and take >= _DEFER_MIN:
+                self._copies.append((self._addrs[self._cur] + self._fill, piece, keep))
+            elif piece.readonly:
                 self._views[self._cur][self._fill:self._fill + take] = piece
             else:  # ctypes' memmove releases the GIL while it copies
                 ctypes.memmove(self._addrs[self._cur] + self._fill,
@@ -582,7 +635,8 @@ class _DirectWriter:
         buffer. ``data`` that starts right after the previous call's (a gap of less than 4 KiB,
         all zeros, which then are the file's padding) extends that run: one run is written in
         pieces of up to 64 MiB, as a run of staging buffers reaches the disk as the largest
-        requests it takes. Anything else is copied, as :meth:`writev` does.
+        requests it takes. Anything else is copied into the bounce buffers, on this thread or
+        (the file's copy placement: ``COPY_IN_IO_THREADS``) on the I/O thread that writes them.
 
         ``data`` (and ``keep``, held until written) must stay alive and unchanged until
         ``commit`` or ``abort`` returns.
@@ -614,8 +668,9 @@ class _DirectWriter:
         pad = (addr - self._size) % _DIRECT_ALIGN  # closing a run leaves _size as it is
         if (n < 2 * _DIRECT_ALIGN or (not huge and (COPY_ALL or n <= _SMALL_COPY))
                 or (huge and pad > self._pad_left)):
+            self._close_run()
             start = self._size
-            self.writev([mv])
+            self._copy_in(mv, keep=keep, defer=True)
             return start
         self._close_run()
         if huge:
@@ -650,7 +705,7 @@ class _DirectWriter:
         view = memoryview((ctypes.c_char * (hi - lo)).from_address(lo)).cast("B")
         for off in range(0, ready, _DIRECT_MAX_WRITE):
             piece = view[off:min(off + _DIRECT_MAX_WRITE, ready)]
-            self._work.put((piece, self._offset, -1, keeps))
+            self._work.put((piece, self._offset, -1, keeps, []))
             self._offset += len(piece)
         if final:
             self._run = None
@@ -674,34 +729,43 @@ class _DirectWriter:
         page-aligned copy; the buffer is refilled from its start."""
         self._raise_io_error()
         self._start_threads()
+        self._copy_now()
         copy = mmap.mmap(-1, self._fill)
         view = memoryview(copy)
         view[:] = self._views[self._cur][:self._fill]
-        self._work.put((view, self._offset, -1, copy))
+        self._work.put((view, self._offset, -1, copy, []))
         self._offset += self._fill
         self._fill = 0
+
+    def _copy_now(self) -> None:
+        """Make the deferred copies into the buffer being filled, on this thread."""
+        copies, self._copies = self._copies, []
+        _make_copies(copies)
 
     def _submit(self, n: int) -> None:
         self._raise_io_error()
         self._start_threads()
-        self._work.put((self._views[self._cur][:n], self._offset, self._cur, None))
+        copies, self._copies = self._copies, []
+        self._work.put((self._views[self._cur][:n], self._offset, self._cur, None, copies))
         self._offset += n
         self._cur = self._free.get()
         self._fill = 0
 
     def _io(self) -> None:
-        """(I/O thread) Write each submitted piece; after an error only hand buffers back."""
+        """(I/O thread) Make each submitted piece's copies and write it; after an error only
+        hand buffers back."""
         while (item := self._work.get()) is not None:
-            view, offset, buf, _keep = item
+            view, offset, buf, _keep, copies = item
             try:
                 if self._error is None:
+                    _make_copies(copies)
                     self._pwrite(view, offset)
             except OSError as e:
                 # Without its traceback: the frames would keep this write's view of a bounce
                 # buffer exported after the buffer went back to the pool.
                 self._error = self._error or e.with_traceback(None)
             finally:
-                del view, item, _keep
+                del view, item, _keep, copies
                 if buf >= 0:
                     self._free.put(buf)
 
@@ -728,7 +792,9 @@ class _DirectWriter:
         for _ in self._threads:
             self._work.put(None)
         for t in self._threads:
-            t.join()
+            # Whatever interrupts the join: an I/O thread may be copying from the caller's
+            # memory, which the caller frees once this returns or raises.
+            finish_surely(t.join)
         self._threads = []
 
     def _release(self) -> None:
@@ -750,6 +816,7 @@ class _DirectWriter:
             if self._fill:
                 padded = -(-self._fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
                 if not self._threads:
+                    self._copy_now()
                     self._storage._call("write", self._path, lambda: self._pwrite(
                         self._views[self._cur][:padded], self._offset))
                 else:
@@ -770,6 +837,7 @@ class _DirectWriter:
     def abort(self) -> None:
         """Stop writing, close and remove the partial file; never raises."""
         self._run = None
+        self._copies = []
         self._stop()
         if self._fd is not None:
             with contextlib.suppress(OSError):
@@ -1025,12 +1093,11 @@ class LocalStorage:
         decides whether this file is timed."""
         direct = bool(_O_DIRECT) and DIRECT_IO is not False
         chooser = None
-        if direct and DIRECT_IO is None:
+        if direct and (DIRECT_IO is None or COPY_IN_IO_THREADS is None):
             chooser = _chooser_for(os.path.dirname(self.abspath(path)))
-            if chooser is not None:
-                direct, timed = chooser.choose(size_hint)
-                if not timed:
-                    chooser = None
+        path_timed = False
+        if chooser is not None and DIRECT_IO is None:
+            direct, path_timed = chooser.choose(size_hint)
         if direct:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _O_DIRECT
             try:
@@ -1041,10 +1108,20 @@ class LocalStorage:
                                        f"{e.strerror or e}") from e
                 chooser = None  # nothing to compare with on this file system
             else:
-                timer = functools.partial(chooser.record, True) if chooser else None
+                timers: list[_Timer] = []
+                if chooser is not None and path_timed:
+                    timers.append(functools.partial(chooser.record, True))
+                io_copies = COPY_IN_IO_THREADS
+                if io_copies is None:
+                    on_caller, copies_timed = (chooser.copies.choose(size_hint)
+                                               if chooser is not None else (True, False))
+                    io_copies = not on_caller
+                    if chooser is not None and copies_timed:
+                        timers.append(functools.partial(chooser.copies.record, on_caller))
                 return _DirectWriter(self, path, fd, direct_buffer_size(size_hint), size_hint,
-                                     timer)
-        timer = functools.partial(chooser.record, False) if chooser else None
+                                     _all_of(timers), io_copies=io_copies)
+        timer = (functools.partial(chooser.record, False)
+                 if chooser is not None and path_timed else None)
         return _LocalWriter(self, path, timer)
 
     def write_bytes(self, path: str, data: bytes, *, exclusive: bool = False) -> None:

@@ -161,15 +161,17 @@ def test_failed_stream_aborts_every_file(local_root: str, small_streams: None,
     calls = {"n": 0}
 
     def flaky(real: Any) -> Any:
-        def writev(self: Any, bufs: Any) -> None:
+        def write(self: Any, *args: Any, **kwargs: Any) -> None:
             calls["n"] += 1
             if calls["n"] == 3:
                 raise StorageError("disk full (injected)")
-            real(self, bufs)
-        return writev
+            real(self, *args, **kwargs)
+        return write
 
-    for cls in (local._LocalWriter, local._DirectWriter):
-        monkeypatch.setattr(cls, "writev", flaky(cls.writev))
+    # Every byte the buffered writer takes passes writev; every byte the direct writer copies
+    # passes _copy_in (write_unbuffered's copies too, wherever they are then made).
+    monkeypatch.setattr(local._LocalWriter, "writev", flaky(local._LocalWriter.writev))
+    monkeypatch.setattr(local._DirectWriter, "_copy_in", flaky(local._DirectWriter._copy_in))
     with CheckpointManager(local_root, save_interval=1) as mgr:
         with pytest.raises(Exception, match="disk full"):
             mgr.save(1, _state())
