@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from ckptmgr._threads import finish_surely
 from ckptmgr._version import __version__
 from ckptmgr.codec.checksum import Hasher, checksum, content_digest
 from ckptmgr.codec.layout import (
@@ -107,6 +108,12 @@ _SMALL = 1 << 20
 _BATCH = 8 << 20
 _BATCH_ITEMS = 256
 _PIECE = 4 << 20
+# Make the checksums behind the copies, on a thread of their own (_HashBehind), where the
+# storage takes items whole (local direct I/O). Off: on 2 cores it was no faster (0.956, 9/12
+# pairs, then 1.02, 5/12, on a disk that set the pace; 1.03, 4/10, where the CPUs did;
+# docs/performance.md, "Round 5"). It is there to be measured on many-core hosts, where the
+# caller's copy and hashes may set the pace (benchmarks/disk_ab.sh pairs it).
+HASH_BEHIND = False
 _CHUNK_WRITERS = 8  # shared chunks written (and fsynced) at once per rank
 _ZEROS = bytes(64 << 10)  # file padding before an item the storage aligned
 # A second stream only pays off with enough bytes for each (measured in docs/performance.md).
@@ -219,6 +226,88 @@ class _ChunkWriters:
             self._queue.put(None)
         for t in threads:
             t.join()
+
+
+def _hash_item(mv: memoryview, file_hash: Hasher,
+               write: Callable[[memoryview], None] | None) -> str:
+    """The checksum of item ``mv``, added to ``file_hash`` too, piece by piece (each piece
+    written once hashed, where ``write`` is given, so the write copies from cache)."""
+    h = Hasher()
+    for off in range(0, len(mv), _PIECE):
+        piece = mv[off:off + _PIECE]
+        h.update(piece)
+        file_hash.update(piece)
+        if write is not None:
+            write(piece)
+    return h.value()
+
+
+class _HashBehind:
+    """The checksums of one data file (each item's and the file's, in the file's order) made on
+    a thread of their own, behind the stream's thread, which meanwhile copies the next items into
+    the storage's buffers (local direct I/O): refilling a buffer the disk has just emptied then
+    costs the copy only. Each queued view's owner is kept until it is hashed.
+
+    Call order: :meth:`pad` and :meth:`item` ..., then :meth:`value` (waits; raises a failure),
+    and always :meth:`stop` (drops what is still queued and waits; a no-op after ``value``).
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[int, memoryview, Any] | None] = queue.SimpleQueue()
+        self._file = Hasher()
+        self.sums: list[str] = []
+        self._failure: BaseException | None = None
+        self._stopped = False
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._run, name="ckptmgr-hash", daemon=True)
+        self._thread.start()
+
+    def pad(self, data: bytes) -> None:
+        """File bytes of no item (zeros the storage padded with)."""
+        self._queue.put((-1, memoryview(data), None))
+
+    def item(self, mv: memoryview, owner: Any) -> int:
+        """Queue item bytes ``mv`` (``owner`` keeps them alive); returns its slot in ``sums``."""
+        self.sums.append("")
+        self._queue.put((len(self.sums) - 1, mv, owner))
+        return len(self.sums) - 1
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            slot, mv, _owner = job
+            try:
+                if self._stopped or self._failure is not None:
+                    continue
+                if slot < 0:
+                    self._file.update(mv)
+                    continue
+                h = Hasher()
+                for off in range(0, len(mv), _PIECE):  # both sums from cache, piece by piece
+                    piece = mv[off:off + _PIECE]
+                    h.update(piece)
+                    self._file.update(piece)
+                self.sums[slot] = h.value()
+            except BaseException as e:
+                self._failure = e
+            finally:
+                del job, mv, _owner
+
+    def value(self) -> str:
+        """Wait until everything queued is hashed; the file's checksum."""
+        self._join()
+        if self._failure is not None:
+            raise self._failure
+        return self._file.value()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._join()
+
+    def _join(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            finish_surely(thread.join)  # whatever interrupts: it reads the caller's memory
 
 
 def _item_size(item: WriteItem, encoded: Mapping[MetadataIndex, tuple[bytes, str]]) -> int:
@@ -582,7 +671,12 @@ class CkptStorageWriter(StorageWriter):
         # Local direct I/O writes large items from their own memory (ckptmgr.storage.local).
         unbuffered: Callable[[memoryview, Any], int] | None = getattr(
             writer, "write_unbuffered", None)
+        # Where the storage copies (or writes from memory) what it is handed, the checksums are
+        # made behind on a thread of their own; else here, piece by piece as each is written.
+        behind = _HashBehind() if unbuffered is not None and HASH_BEHIND else None
         file_hash = Hasher()
+        # (index, size, offset, checksum or its slot in behind.sums, encoding) of each item
+        placed: list[tuple[MetadataIndex, int, int, str | int, str]] = []
         results: list[WriteResult] = []
         pending: list[memoryview] = []
         alive: list[Any] = []  # owners of the memory that ``pending`` views
@@ -600,6 +694,12 @@ class CkptStorageWriter(StorageWriter):
             pending.clear()
             alive.clear()
             pending_bytes = 0
+
+        def file_bytes(data: bytes) -> None:
+            if behind is not None:
+                behind.pad(data)
+            else:
+                file_hash.update(data)
 
         try:
             for item in items:
@@ -621,51 +721,63 @@ class CkptStorageWriter(StorageWriter):
                     enc = "raw"
                 n = len(mv)
                 if (enc == "raw" and self.plan.reuse is not None and n >= SHARE_MIN_BYTES):
-                    shared_path, item_sum = self._share(mv, owner)
+                    shared_path, shared_sum = self._share(mv, owner)
                     results.append(WriteResult(
                         index=item.index, size_in_bytes=n,
-                        storage_data=ItemLocation(shared_path, 0, n, item_sum, enc)))
+                        storage_data=ItemLocation(shared_path, 0, n, shared_sum, enc)))
                     continue
+                item_sum: str | int
                 if n <= _SMALL and (unbuffered is None or mv.readonly):
-                    item_sum = checksum(mv)
-                    file_hash.update(mv)
+                    if behind is not None:
+                        item_sum = behind.item(mv, owner)
+                    else:
+                        item_sum = checksum(mv)
+                        file_hash.update(mv)
                     pending.append(mv)
                     alive.append(owner)
                     pending_bytes += n
                     if pending_bytes >= _BATCH or len(pending) >= _BATCH_ITEMS:
                         flush()
+                elif unbuffered is not None and not mv.readonly:
+                    flush()
+                    # The writer copies it, or writes it from the tensor's own memory (no
+                    # copy), small items too: they may continue a run of staging memory. It may
+                    # pad first: the padding is file bytes.
+                    start = unbuffered(mv, owner)
+                    while pos < start:
+                        pad = _ZEROS[:start - pos]
+                        file_bytes(pad)
+                        pos += len(pad)
+                    if behind is not None:
+                        item_sum = behind.item(mv, owner)
+                    else:
+                        item_sum = _hash_item(mv, file_hash, None)
                 else:
                     flush()
-                    h = Hasher()
-                    if unbuffered is not None and not mv.readonly:
-                        # The writer copies it, or writes it from the tensor's own memory (no
-                        # copy) while it is hashed here, small items too: they may continue a
-                        # run of staging memory. It may pad first: the padding is file bytes.
-                        start = unbuffered(mv, owner)
-                        while pos < start:
-                            pad = _ZEROS[:start - pos]
-                            file_hash.update(pad)
-                            pos += len(pad)
+                    if behind is not None:
+                        item_sum = behind.item(mv, owner)
                         for off in range(0, n, _PIECE):
-                            piece = mv[off:off + _PIECE]
-                            h.update(piece)
-                            file_hash.update(piece)
+                            writer.write(mv[off:off + _PIECE])
                     else:
-                        for off in range(0, n, _PIECE):
-                            piece = mv[off:off + _PIECE]
-                            h.update(piece)
-                            file_hash.update(piece)
-                            writer.write(piece)
-                    item_sum = h.value()
-                results.append(WriteResult(index=item.index, size_in_bytes=n,
-                                           storage_data=ItemLocation(name, pos, n, item_sum, enc)))
+                        item_sum = _hash_item(mv, file_hash, writer.write)
+                placed.append((item.index, n, pos, item_sum, enc))
                 pos += n
             flush()
+            file_sum = behind.value() if behind is not None else file_hash.value()
             writer.commit()
         except BaseException:
             writer.abort()
             raise
-        return results, FileEntry(name, pos, file_hash.value())
+        finally:
+            if behind is not None:
+                behind.stop()  # nothing reads the items once this returns or raises
+        for at_index, size, at, summed, encoding in placed:
+            if isinstance(summed, int):
+                assert behind is not None, "a checksum slot without the hashing thread"
+                summed = behind.sums[summed]
+            results.append(WriteResult(index=at_index, size_in_bytes=size,
+                                       storage_data=ItemLocation(name, at, size, summed, encoding)))
+        return results, FileEntry(name, pos, file_sum)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """(coordinator, after every rank's ``write_data`` returned) Write metadata and

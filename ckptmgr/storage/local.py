@@ -123,14 +123,15 @@ _COPY_NBUF = 6  # bounce buffers per file when every item is copied
 _COPY_DIV = 64  # each 1/64 of the file: the six hold under 10% of it
 _COPY_BUF_MIN = 4 * 1024 * 1024
 _POOL_IDLE_MAX = 512 * 1024 * 1024  # idle bounce buffers kept for the next file, in bytes
-# Where write_unbuffered's items are copied into the bounce buffers: on the caller's thread
-# (which hashes them too), or on the I/O thread that then writes the buffer, several buffers'
-# copies side by side while the caller hashes. The second takes more CPU in all (memory is read
-# twice out of cache: 1 GiB took 0.278 s of CPU instead of 0.232 s) and so lost on 2 cores
-# (1.10x, 3/10 pairs); it is for hosts where the caller's copy and hashes, not the disk, set the
-# pace. Which one a file system gets is measured like direct against buffered (_PathChooser);
-# True or False forces one. Pieces under _DEFER_MIN are always copied by the caller.
-COPY_IN_IO_THREADS: bool | None = None  # None: chosen by measurement, per file system
+# Copy write_unbuffered's items into the bounce buffers on the I/O thread that then writes the
+# buffer (several buffers' copies side by side while the caller hashes) instead of on the
+# caller's thread. Off: it takes more CPU in all (memory is read twice out of cache: 1 GiB took
+# 0.278 s of CPU instead of 0.232 s) and lost on 2 cores whether the disk or the CPUs set the
+# pace (1.10x and 1.03x the time, 3/10 and 2/10 pairs; docs/performance.md, "Round 5"). It is
+# there to be measured where the caller's copy and hashes, not the disk, may set the pace (a
+# many-core host with a fast disk: benchmarks/disk_ab.sh pairs it). Pieces under _DEFER_MIN
+# are always copied by the caller.
+COPY_IN_IO_THREADS = False
 _DEFER_MIN = 64 * 1024
 
 
@@ -238,10 +239,9 @@ def _drop_cache(fd: int, offset: int, length: int) -> None:
 _Timer = Callable[[int, float], None]  # (bytes, seconds) of a committed file
 
 
-class _Chooser:
-    """One of two ways to write the large files of one file system (True: the one preferred,
-    taken until both are measured and on a tie within 5%), by the speed its own recent files
-    reached (module docstring). Thread-safe: streams and ranks' threads share it."""
+class _PathChooser:
+    """Direct or buffered writes for the large files of one file system, by the speed its own
+    recent files reached (module docstring). Thread-safe: streams and ranks' threads share it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -274,29 +274,6 @@ class _Chooser:
             recent = self._speeds[direct]
             recent.append(nbytes / seconds)
             del recent[:-_RECENT]
-
-
-class _PathChooser(_Chooser):
-    """Direct (True) or buffered writes for the large files of one file system; ``copies``: for
-    its direct files, the copies into the bounce buffers made on the caller's thread (True: less
-    CPU in all) or on the I/O threads (``COPY_IN_IO_THREADS``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.copies = _Chooser()
-
-
-def _all_of(timers: list[_Timer]) -> _Timer | None:
-    """One timer that reports to each of ``timers`` (None for none)."""
-    if not timers:
-        return None
-    if len(timers) == 1:
-        return timers[0]
-
-    def report(nbytes: int, seconds: float) -> None:
-        for t in timers:
-            t(nbytes, seconds)
-    return report
 
 
 def _median(xs: list[float]) -> float:
@@ -1093,11 +1070,12 @@ class LocalStorage:
         decides whether this file is timed."""
         direct = bool(_O_DIRECT) and DIRECT_IO is not False
         chooser = None
-        if direct and (DIRECT_IO is None or COPY_IN_IO_THREADS is None):
+        if direct and DIRECT_IO is None:
             chooser = _chooser_for(os.path.dirname(self.abspath(path)))
-        path_timed = False
-        if chooser is not None and DIRECT_IO is None:
-            direct, path_timed = chooser.choose(size_hint)
+            if chooser is not None:
+                direct, timed = chooser.choose(size_hint)
+                if not timed:
+                    chooser = None
         if direct:
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW | _O_DIRECT
             try:
@@ -1108,20 +1086,10 @@ class LocalStorage:
                                        f"{e.strerror or e}") from e
                 chooser = None  # nothing to compare with on this file system
             else:
-                timers: list[_Timer] = []
-                if chooser is not None and path_timed:
-                    timers.append(functools.partial(chooser.record, True))
-                io_copies = COPY_IN_IO_THREADS
-                if io_copies is None:
-                    on_caller, copies_timed = (chooser.copies.choose(size_hint)
-                                               if chooser is not None else (True, False))
-                    io_copies = not on_caller
-                    if chooser is not None and copies_timed:
-                        timers.append(functools.partial(chooser.copies.record, on_caller))
+                timer = functools.partial(chooser.record, True) if chooser else None
                 return _DirectWriter(self, path, fd, direct_buffer_size(size_hint), size_hint,
-                                     _all_of(timers), io_copies=io_copies)
-        timer = (functools.partial(chooser.record, False)
-                 if chooser is not None and path_timed else None)
+                                     timer, io_copies=COPY_IN_IO_THREADS)
+        timer = functools.partial(chooser.record, False) if chooser else None
         return _LocalWriter(self, path, timer)
 
     def write_bytes(self, path: str, data: bytes, *, exclusive: bool = False) -> None:

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from ckptmgr import CheckpointManager
-from ckptmgr.dcp.tensor_bytes import tensor_memoryview
 from ckptmgr.storage import local
 from ckptmgr.storage.local import LocalStorage
 
@@ -85,49 +84,10 @@ def test_open_writer_follows_the_chooser_and_the_override(
     assert isinstance(w, local._LocalWriter) and w._timer is None
     w.abort()
     monkeypatch.setattr(local, "DIRECT_IO", True)
-    monkeypatch.setattr(local, "COPY_IN_IO_THREADS", False)
     w = storage.open_writer("forced", size_hint=128 << 10)
-    assert isinstance(w, local._DirectWriter) and w._timer is None and not w._io_copies
+    assert isinstance(w, local._DirectWriter) and w._timer is None
     w.abort()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f0", "f1", "f2", "f3"]
-
-
-def test_direct_files_measure_where_their_copies_are_made(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Direct files alternate copies on the caller's thread and on the I/O threads until both
-    are measured, then take the faster; forcing the direct path leaves that choice measured,
-    forcing the placement ends it."""
-    if not _direct_supported(tmp_path):
-        pytest.skip("no O_DIRECT on this file system")
-    monkeypatch.setattr(local, "_CHOOSERS", {})
-    monkeypatch.setattr(local, "_MEASURE_MIN", 64 << 10)
-    monkeypatch.setattr(local, "DIRECT_IO", True)
-    monkeypatch.setattr(local, "COPY_IN_IO_THREADS", None)
-    storage = LocalStorage(str(tmp_path))
-    placements = []
-    data = torch.randint(0, 256, (300 << 10,), dtype=torch.uint8)
-    for i in range(4):
-        w = storage.open_writer(f"f{i}", size_hint=len(data))
-        assert isinstance(w, local._DirectWriter) and w._timer is not None
-        placements.append(w._io_copies)
-        w.write_unbuffered(tensor_memoryview(data), data)
-        w.commit()
-        assert (tmp_path / f"f{i}").read_bytes() == bytes(data.numpy())
-    assert placements == [False, True, False, True]
-    chooser = local._chooser_for(str(tmp_path))
-    assert chooser is not None
-    assert len(chooser.copies._speeds[True]) == len(chooser.copies._speeds[False]) == 2
-    assert chooser._speeds == {True: [], False: []}  # DIRECT_IO forced: that one is not timed
-    # A placement twice as fast on the I/O threads wins (the caller's on a tie within 5%).
-    for on_caller in (True, False) * 3:
-        chooser.copies.record(on_caller, 1 << 30, 1.0 if on_caller else 0.5)
-    w = storage.open_writer("next", size_hint=len(data))
-    assert isinstance(w, local._DirectWriter) and w._io_copies
-    w.abort()
-    monkeypatch.setattr(local, "COPY_IN_IO_THREADS", False)
-    w = storage.open_writer("forced", size_hint=len(data))
-    assert isinstance(w, local._DirectWriter) and not w._io_copies and w._timer is None
-    w.abort()
 
 
 def test_saves_on_both_paths_restore_bit_exact(tmp_path: Path,
