@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Issue 28's byte-path comparisons (docs/performance.md) on another machine's disk, in one command
-# (about 4 minutes on a 16-core host): the two write floors against each other, save and
+# (about 7 minutes on a 16-core host): the two write floors against each other, save and
 # save_async (until committed) against the floors, the measured choice of direct or buffered
 # writes, streamed direct reads against buffered ones, restore against dcp.load and against the
-# read floor; 1 GiB, 10 interleaved pairs each (benchmarks/ab.py). With BENCH=1, then one
-# same-run bench.py (floors, torch.save, dcp, safetensors, ckptmgr; 3 repetitions).
+# read floor; 1 GiB, 10 interleaved pairs each (benchmarks/ab.py); round 5's candidate changes
+# against the default; the disk's own write patterns (benchmarks/write_patterns.py). With
+# BENCH=1, then one same-run bench.py (floors, torch.save, dcp, safetensors, ckptmgr; 3
+# repetitions).
 #
 #   OUT=/path/for/results [BENCH=1] benchmarks/disk_ab.sh   (JSON per comparison, log.txt in $OUT)
 #
@@ -38,6 +40,15 @@ run save-direct-vs-auto --a "ckptmgr.storage.local.DIRECT_IO=True" --b "ckptmgr.
 run restore-buffered-vs-streamed --op ckptmgr.restore --a "ckptmgr.storage.local.DIRECT_READ=False" --b "ckptmgr.storage.local.DIRECT_READ=True"
 run restore-vs-dcp --a ckptmgr.restore --b dcp.load
 run floor-read-vs-restore --a floor.read --b ckptmgr.restore
+# Round 5's candidates, off by default because 2 cores showed no gain (docs/performance.md):
+# work moved off the caller's thread, and the write pattern (writes in flight, write size).
+run save-copies-on-io-threads --op ckptmgr.save --a "" --b "ckptmgr.storage.local.COPY_IN_IO_THREADS=True"
+run save-hash-behind --op ckptmgr.save --a "" --b "ckptmgr.dcp.writer.HASH_BEHIND=True"
+run save-both-behind --op ckptmgr.save --a "" --b "ckptmgr.storage.local.COPY_IN_IO_THREADS=True ckptmgr.dcp.writer.HASH_BEHIND=True"
+run save-4-in-flight --op ckptmgr.save --a "" --b "ckptmgr.storage.local._DIRECT_THREADS=4"
+run save-32mib-buffers --op ckptmgr.save --a "" --b "ckptmgr.storage.local._COPY_DIV=32"
+echo "== write patterns ($(date -u +%T))"
+timeout 150 "$py" "$repo/benchmarks/write_patterns.py" --dir "$scratch" --rounds 4 --out "$out/write-patterns.json" 2>&1 | tail -12
 if [[ "${BENCH:-0}" == 1 ]]; then
   echo "== bench.py ($(date -u +%T))"
   timeout 200 "$py" "$repo/benchmarks/bench.py" --size 1GiB --reps 3 --warmup 1 --nice -10 \
