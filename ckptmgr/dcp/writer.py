@@ -15,9 +15,10 @@ Call order (DCP's, per save):
    resolved on the stream's thread, small ones coalesced into one ``writev`` per 8 MiB, large ones
    handed to the storage's ``write_unbuffered`` where it has one (local direct I/O: copied into
    its huge-page bounce buffers, or with ``COPY_ALL`` off written from the tensor's own memory
-   after padding the storage chose, which the file checksum covers) and hashed meanwhile, else
-   hashed and written in 4 MiB pieces. Each item and each file get an
-   xxh3-64 checksum, computed in that same pass. The files are fsynced; locations go in the results.
+   after padding the storage chose, which the file checksum covers) and hashed meanwhile on a
+   thread of the stream's own (``HASH_BEHIND``), else hashed and written in 4 MiB pieces. Each
+   item and each file get an xxh3-64 checksum, computed in that same pass over the source. The
+   files are fsynced; locations go in the results.
 4) (coordinator, after every rank's ``write_data`` returned) ``finish``: write the metadata JSON,
    then the manifest, then make it visible: rename the staging directory into place (POSIX), or
    write the manifest object last (object stores, overwrite, and always for the standalone
@@ -25,10 +26,11 @@ Call order (DCP's, per save):
    ``all_steps``, ``restore`` or a reader. The standalone writer then removes the files of the
    attempts it replaced (our exact file names only), or, after a failed commit, its own.
 
-CPU share: by default one stream per rank, so a background save uses at most one core for its
+CPU share: by default one stream per rank, so a background save uses about one core for its
 checksums and the copy into the bounce buffers (where the local storage writes with direct I/O,
 its choice by measurement, I/O threads that mostly sleep in the kernel write from those buffers,
-and no kernel time goes to page-cache writeback). Stream
+and no kernel time goes to page-cache writeback); with the checksums behind, the two run side by
+side on two threads, the same CPU time in all. Stream
 threads are ckptmgr's own and can run at a raised nice value (``io_nice``); the default is 0
 because a reniced writer, starved by a busy training loop, took 5x longer and cost the loop as
 much compute (docs/performance.md). The calling thread is never reniced.
@@ -109,11 +111,12 @@ _BATCH = 8 << 20
 _BATCH_ITEMS = 256
 _PIECE = 4 << 20
 # Make the checksums behind the copies, on a thread of their own (_HashBehind), where the
-# storage takes items whole (local direct I/O). Off: on 2 cores it was no faster (0.956, 9/12
-# pairs, then 1.02, 5/12, on a disk that set the pace; 1.03, 4/10, where the CPUs did;
-# docs/performance.md, "Round 5"). It is there to be measured on many-core hosts, where the
-# caller's copy and hashes may set the pace (benchmarks/disk_ab.sh pairs it).
-HASH_BEHIND = False
+# storage takes items whole (local direct I/O): refilling the buffers that a batch of completed
+# writes handed back then costs the copy only. A 1 GiB save took 0.961 [0.86-1.02] the time
+# (27/40 pairs) and 0.938 [0.85-1.04] with COPY_IN_FLIGHT (25/40) on this machine's disk;
+# save_async 0.976 (11/20); on a CPU-bound tmpfs loop disk 1.035 (9/20); compute lost during a
+# background save 0.45-0.58 s against 0.62-0.64 s (docs/performance.md, "Round 5").
+HASH_BEHIND = True
 _CHUNK_WRITERS = 8  # shared chunks written (and fsynced) at once per rank
 _ZEROS = bytes(64 << 10)  # file padding before an item the storage aligned
 # A second stream only pays off with enough bytes for each (measured in docs/performance.md).

@@ -243,3 +243,47 @@ def test_saves_with_copies_on_the_io_threads_restore_bit_exact(
             assert all(torch.equal(state[k], out[k]) for k in state), step
     if not names:
         pytest.skip("no O_DIRECT on this file system")
+
+
+@pytest.mark.parametrize("cap", [4, None], ids=["capped", "uncapped"])
+def test_one_filled_buffer_waits_ready(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       pool: local._BouncePool, cap: int | None) -> None:
+    """COPY_IN_FLIGHT: at most that many bounce buffers are written at once (the other filled
+    ones wait ready for the first to end); with no cap every filled buffer is written at once."""
+    monkeypatch.setattr(local, "COPY_IN_FLIGHT", cap)
+    inside = 0
+    most = 0
+    cond = threading.Condition()
+    release = threading.Event()
+    real = local._DirectWriter._pwrite
+
+    def gated(self: local._DirectWriter, view: memoryview, offset: int) -> None:
+        nonlocal inside, most
+        with cond:
+            inside += 1
+            most = max(most, inside)
+            cond.notify_all()
+        try:
+            assert release.wait(60), "never released"
+            real(self, view, offset)
+        finally:
+            with cond:
+                inside -= 1
+
+    monkeypatch.setattr(local._DirectWriter, "_pwrite", gated)
+    data = torch.randint(0, 256, (40 * MIB,), dtype=torch.uint8)
+    w = _writer(tmp_path, 40 * MIB, io_copies=False)
+    assert w._bufsize == 4 * MIB
+    worker = threading.Thread(target=w.write_unbuffered, args=(tensor_memoryview(data), data))
+    worker.start()
+    try:
+        with cond:
+            assert cond.wait_for(lambda: inside == (cap or local._COPY_NBUF), timeout=60)
+            # Every buffer is filled and handed over; a cap keeps the last two from the disk.
+            assert cond.wait_for(lambda: inside > (cap or 99), timeout=0.5) is False
+    finally:
+        release.set()
+        worker.join()
+    w.commit()
+    assert most == (cap or local._COPY_NBUF)
+    assert (tmp_path / "f").read_bytes() == bytes(data.numpy())
