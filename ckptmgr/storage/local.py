@@ -560,7 +560,7 @@ class _DirectWriter:
         self._buffer_slots = (threading.BoundedSemaphore(COPY_IN_FLIGHT)
                               if COPY_ALL and COPY_IN_FLIGHT else None)
         self._threads: list[threading.Thread] = []
-        self._error: OSError | None = None
+        self._error: BaseException | None = None
         self._cur = 0  # the buffer being filled
         self._fill = 0  # bytes in it
         self._offset = 0  # file offset of the buffer being filled
@@ -752,7 +752,7 @@ class _DirectWriter:
                         slots.acquire()
                         held = True
                     self._pwrite(view, offset)
-            except OSError as e:
+            except BaseException as e:  # any failure (not only the disk's) fails the file
                 # Without its traceback: the frames would keep this write's view of a bounce
                 # buffer exported after the buffer went back to the pool.
                 self._error = self._error or e.with_traceback(None)
@@ -779,8 +779,9 @@ class _DirectWriter:
     def _raise_io_error(self) -> None:
         if self._error is not None:
             err = self._error
+            why = (err.strerror if isinstance(err, OSError) else None) or err
             raise StorageError(f"write failed for {self._storage.url}/{self._path}: "
-                               f"{err.strerror or err}") from err
+                               f"{why}") from err
 
     def _stop(self) -> None:
         """Wait until every submitted write has ended and the I/O threads are gone."""

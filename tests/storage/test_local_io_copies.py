@@ -287,3 +287,27 @@ def test_one_filled_buffer_waits_ready(tmp_path: Path, monkeypatch: pytest.Monke
     w.commit()
     assert most == (cap or local._COPY_NBUF)
     assert (tmp_path / "f").read_bytes() == bytes(data.numpy())
+
+
+def test_a_failure_that_is_not_the_disks_fails_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pool: local._BouncePool) -> None:
+    """A deferred copy that raises something other than OSError on an I/O thread (found by
+    review: the thread died, the buffer went out unwritten, and commit succeeded with a hole):
+    commit raises StorageError and removes the file."""
+    def broken(copies: list[local._Copy]) -> None:
+        if copies:
+            raise BufferError("source released (injected)")
+
+    monkeypatch.setattr(local, "_make_copies", broken)
+    w = _writer(tmp_path, 16 * MIB, io_copies=True)
+    parts = [torch.randint(0, 256, (3 * MIB,), dtype=torch.uint8) for _ in range(4)]
+    with pytest.raises(StorageError, match="source released"):
+        try:
+            for t in parts:
+                w.write_unbuffered(tensor_memoryview(t), t)
+            w.commit()
+        except StorageError:
+            w.abort()
+            raise
+    assert not (tmp_path / "f").exists()
+    assert sum(len(v) for v in pool._idle.values()) == local._COPY_NBUF
