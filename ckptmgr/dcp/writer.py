@@ -117,6 +117,7 @@ _PIECE = 4 << 20
 # save_async 0.976 (11/20); on a CPU-bound tmpfs loop disk 1.035 (9/20); compute lost during a
 # background save 0.45-0.58 s against 0.62-0.64 s (docs/performance.md, "Round 5").
 HASH_BEHIND = True
+_BEHIND_MAX = 256 << 20  # bytes queued for the hashing thread at most (then the stream waits)
 _CHUNK_WRITERS = 8  # shared chunks written (and fsynced) at once per rank
 _ZEROS = bytes(64 << 10)  # file padding before an item the storage aligned
 # A second stream only pays off with enough bytes for each (measured in docs/performance.md).
@@ -249,7 +250,9 @@ class _HashBehind:
     """The checksums of one data file (each item's and the file's, in the file's order) made on
     a thread of their own, behind the stream's thread, which meanwhile copies the next items into
     the storage's buffers (local direct I/O): refilling a buffer the disk has just emptied then
-    costs the copy only. Each queued view's owner is kept until it is hashed.
+    costs the copy only. Each queued view's owner is kept until it is hashed, and at most
+    ``_BEHIND_MAX`` bytes wait (the stream waits beyond), so a starved hashing thread never holds
+    more than that of temporaries (a GPU tensor's host copy) alive.
 
     Call order: :meth:`pad` and :meth:`item` ..., then :meth:`value` (waits; raises a failure),
     and always :meth:`stop` (drops what is still queued and waits; a no-op after ``value``).
@@ -261,16 +264,22 @@ class _HashBehind:
         self.sums: list[str] = []
         self._failure: BaseException | None = None
         self._stopped = False
-        self._thread: threading.Thread | None = threading.Thread(
-            target=self._run, name="ckptmgr-hash", daemon=True)
-        self._thread.start()
+        self._waiting = 0  # bytes queued and not hashed yet
+        self._room = threading.Condition()
+        thread = threading.Thread(target=self._run, name="ckptmgr-hash", daemon=True)
+        thread.start()
+        self._thread: threading.Thread | None = thread
 
     def pad(self, data: bytes) -> None:
         """File bytes of no item (zeros the storage padded with)."""
         self._queue.put((-1, memoryview(data), None))
 
     def item(self, mv: memoryview, owner: Any) -> int:
-        """Queue item bytes ``mv`` (``owner`` keeps them alive); returns its slot in ``sums``."""
+        """Queue item bytes ``mv`` (``owner`` keeps them alive); returns its slot in ``sums``.
+        Waits while more than ``_BEHIND_MAX`` bytes are queued."""
+        with self._room:
+            self._room.wait_for(lambda: self._waiting <= _BEHIND_MAX)
+            self._waiting += len(mv)
         self.sums.append("")
         self._queue.put((len(self.sums) - 1, mv, owner))
         return len(self.sums) - 1
@@ -286,6 +295,8 @@ class _HashBehind:
                     continue
                 h = Hasher()
                 for off in range(0, len(mv), _PIECE):  # both sums from cache, piece by piece
+                    if self._stopped:
+                        break
                     piece = mv[off:off + _PIECE]
                     h.update(piece)
                     self._file.update(piece)
@@ -293,6 +304,10 @@ class _HashBehind:
             except BaseException as e:
                 self._failure = e
             finally:
+                if slot >= 0:
+                    with self._room:
+                        self._waiting -= len(mv)
+                        self._room.notify_all()
                 del job, mv, _owner
 
     def value(self) -> str:
@@ -300,17 +315,32 @@ class _HashBehind:
         self._join()
         if self._failure is not None:
             raise self._failure
+        if self._stopped:
+            raise Stopped
         return self._file.value()
 
     def stop(self) -> None:
+        """Drop what is queued (the item being hashed too, at its next piece) and wait."""
         self._stopped = True
         self._join()
 
     def _join(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._queue.put(None)
-            finish_surely(thread.join)  # whatever interrupts: it reads the caller's memory
+        """Wait for the thread, whatever interrupts (it reads the caller's memory): the end
+        of the queue is sent once, then the join is retried until it returns."""
+        thread = self._thread
+        if thread is None:
+            return
+        sent = False
+
+        def wait() -> None:
+            nonlocal sent
+            if not sent:
+                self._queue.put(None)
+                sent = True
+            thread.join()
+
+        finish_surely(wait)
+        self._thread = None
 
 
 def _item_size(item: WriteItem, encoded: Mapping[MetadataIndex, tuple[bytes, str]]) -> int:
@@ -675,12 +705,13 @@ class CkptStorageWriter(StorageWriter):
         unbuffered: Callable[[memoryview, Any], int] | None = getattr(
             writer, "write_unbuffered", None)
         # Where the storage copies (or writes from memory) what it is handed, the checksums are
-        # made behind on a thread of their own; else here, piece by piece as each is written.
-        behind = _HashBehind() if unbuffered is not None and HASH_BEHIND else None
+        # made behind on a thread of their own (started in the try below: a thread that cannot
+        # start fails the file like any write); else here, piece by piece as each is written.
+        behind: _HashBehind | None = None
         file_hash = Hasher()
-        # (index, size, offset, checksum or its slot in behind.sums, encoding) of each item
-        placed: list[tuple[MetadataIndex, int, int, str | int, str]] = []
-        results: list[WriteResult] = []
+        # Each item's result, in item order: done, or (index, size, offset, checksum or its slot
+        # in behind.sums, encoding) until the hashing thread has made its checksum.
+        placed: list[WriteResult | tuple[MetadataIndex, int, int, str | int, str]] = []
         pending: list[memoryview] = []
         alive: list[Any] = []  # owners of the memory that ``pending`` views
         pending_bytes = 0
@@ -705,6 +736,8 @@ class CkptStorageWriter(StorageWriter):
                 file_hash.update(data)
 
         try:
+            if unbuffered is not None and HASH_BEHIND:
+                behind = _HashBehind()
             for item in items:
                 if stop.is_set():
                     raise Stopped
@@ -725,7 +758,7 @@ class CkptStorageWriter(StorageWriter):
                 n = len(mv)
                 if (enc == "raw" and self.plan.reuse is not None and n >= SHARE_MIN_BYTES):
                     shared_path, shared_sum = self._share(mv, owner)
-                    results.append(WriteResult(
+                    placed.append(WriteResult(
                         index=item.index, size_in_bytes=n,
                         storage_data=ItemLocation(shared_path, 0, n, shared_sum, enc)))
                     continue
@@ -769,12 +802,19 @@ class CkptStorageWriter(StorageWriter):
             file_sum = behind.value() if behind is not None else file_hash.value()
             writer.commit()
         except BaseException:
+            if behind is not None:
+                behind.stop()  # its backlog is dropped, not hashed while the writer aborts
             writer.abort()
             raise
         finally:
             if behind is not None:
                 behind.stop()  # nothing reads the items once this returns or raises
-        for at_index, size, at, summed, encoding in placed:
+        results: list[WriteResult] = []
+        for p in placed:
+            if isinstance(p, WriteResult):
+                results.append(p)
+                continue
+            at_index, size, at, summed, encoding = p
             if isinstance(summed, int):
                 assert behind is not None, "a checksum slot without the hashing thread"
                 summed = behind.sums[summed]

@@ -785,12 +785,20 @@ class _DirectWriter:
 
     def _stop(self) -> None:
         """Wait until every submitted write has ended and the I/O threads are gone."""
-        for _ in self._threads:
-            self._work.put(None)
-        for t in self._threads:
-            # Whatever interrupts the join: an I/O thread may be copying from the caller's
-            # memory, which the caller frees once this returns or raises.
-            finish_surely(t.join)
+        threads = self._threads
+        sent = 0
+
+        def wait() -> None:
+            nonlocal sent
+            while sent < len(threads):  # one end of the queue per thread, each sent once
+                self._work.put(None)
+                sent += 1
+            for t in threads:
+                t.join()
+
+        # Whatever interrupts: an I/O thread may be copying from the caller's memory, which
+        # the caller frees once this returns or raises.
+        finish_surely(wait)
         self._threads = []
 
     def _release(self) -> None:
@@ -831,18 +839,21 @@ class _DirectWriter:
         self._release()
 
     def abort(self) -> None:
-        """Stop writing, close and remove the partial file; never raises."""
+        """Stop writing, close and remove the partial file; raises nothing of its own (an
+        interrupt while the I/O threads are joined is raised once the file is gone)."""
         self._run = None
         self._copies = []
-        self._stop()
-        if self._fd is not None:
+        try:
+            self._stop()
+        finally:
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)
+                self._fd = None
             with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
-        with contextlib.suppress(OSError):
-            os.unlink(self._abs)
-        with contextlib.suppress(BufferError):
-            self._release()
+                os.unlink(self._abs)
+            with contextlib.suppress(BufferError):
+                self._release()
 
 
 def open_regular(path: str, flags: int = 0) -> int:

@@ -5,6 +5,7 @@ item verified, and a failed or stopped write leaving no hashing thread behind.""
 from __future__ import annotations
 
 import copy
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from ckptmgr import CheckpointManager
 from ckptmgr.codec.layout import MANIFEST_NAME
 from ckptmgr.codec.manifest import decode_manifest
 from ckptmgr.dcp import writer
-from ckptmgr.errors import CkptmgrError, StorageError
+from ckptmgr.errors import CkptmgrError, SaveError, StorageError
 from ckptmgr.storage import local
 from ckptmgr.tools.inspect import verify_steps
 
@@ -121,3 +122,106 @@ def test_hash_behind_stops_and_raises() -> None:
     stopped = writer._HashBehind()
     stopped.stop()
     assert not _hashing_threads()
+
+
+def test_a_hashing_thread_that_cannot_start_leaves_no_open_writer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: the hashing thread was started after open_writer and before the try that
+    aborts the writer, so a thread that could not start (a process at its thread limit) left the
+    direct writer open: its descriptor, and with it the unlinked preallocated file's space."""
+    monkeypatch.setattr(local, "DIRECT_IO", True)
+    monkeypatch.setattr(writer, "HASH_BEHIND", True)
+    opened: list[local._DirectWriter] = []
+    real_init = local._DirectWriter.__init__
+
+    def recording(self: local._DirectWriter, *args: Any, **kwargs: Any) -> None:
+        real_init(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(local._DirectWriter, "__init__", recording)
+    real_start = threading.Thread.start
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "ckptmgr-hash":
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    state = {"big": torch.randn(2_000_000), "small": torch.arange(5)}
+    root = tmp_path / "run"
+    with (CheckpointManager(str(root), save_interval=1) as mgr,
+          pytest.raises(SaveError, match="can't start new thread")):
+        mgr.save(1, state)
+    if not opened:
+        pytest.skip("no O_DIRECT on this file system")
+    still_open = [w for w in opened if w._fd is not None]
+    leaked = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(root)):
+            leaked.append(target)
+    for w in still_open:  # clean up after the assertion's evidence is taken
+        w.abort()
+    assert not still_open and not leaked, (still_open, leaked)
+
+
+def test_an_interrupt_while_stopping_still_joins_the_hashing_thread() -> None:
+    """Found by review: a Ctrl-C between taking the thread and sending it the end of the queue
+    left it running (reading the caller's memory after the save returned)."""
+    h = writer._HashBehind()
+    real = h._queue
+    sent: list[object] = []
+
+    class Interrupted:
+        def put(self, job: Any) -> None:
+            if job is None and not sent:
+                sent.append(job)
+                raise KeyboardInterrupt
+            real.put(job)
+
+        def get(self) -> Any:
+            return real.get()
+
+    h._queue = Interrupted()  # type: ignore[assignment]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            h.value()
+        assert not _hashing_threads()
+    finally:
+        real.put(None)  # a thread left by a regression ends here
+
+
+def test_a_starved_hashing_thread_holds_a_bounded_backlog(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most _BEHIND_MAX bytes wait for the hashing thread: beyond, the stream waits (a GPU
+    tensor's host copy is kept alive until hashed)."""
+    monkeypatch.setattr(writer, "_BEHIND_MAX", 1000)
+    gate = threading.Event()
+    real = writer.Hasher.update
+
+    def slow(self: Any, data: Any) -> None:
+        assert gate.wait(30), "the gate never opened"
+        real(self, data)
+
+    monkeypatch.setattr(writer.Hasher, "update", slow)
+    h = writer._HashBehind()
+    try:
+        blocks = [bytearray(600) for _ in range(4)]
+        h.item(memoryview(blocks[0]), blocks[0])
+        h.item(memoryview(blocks[1]), blocks[1])  # 600 queued: still room
+        third = threading.Thread(target=h.item, args=(memoryview(blocks[2]), blocks[2]))
+        third.start()
+        third.join(0.5)
+        assert third.is_alive()  # 1200 queued: it waits for the thread
+        gate.set()
+        third.join(30)
+        assert not third.is_alive()
+        h.item(memoryview(blocks[3]), blocks[3])
+        h.value()
+        assert h.sums == [writer.checksum(memoryview(b)) for b in blocks]
+    finally:
+        gate.set()
+        h.stop()

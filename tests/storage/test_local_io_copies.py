@@ -311,3 +311,38 @@ def test_a_failure_that_is_not_the_disks_fails_the_file(
             raise
     assert not (tmp_path / "f").exists()
     assert sum(len(v) for v in pool._idle.values()) == local._COPY_NBUF
+
+
+def test_an_interrupt_while_aborting_still_joins_and_removes(
+        tmp_path: Path, pool: local._BouncePool) -> None:
+    """Found by review: a Ctrl-C while abort sent the I/O threads the end of their queue left
+    threads unjoined (reading the caller's memory) and skipped the close, unlink and release."""
+    w = _writer(tmp_path, 16 * MIB, io_copies=True)
+    parts = [torch.randint(0, 256, (3 * MIB,), dtype=torch.uint8) for _ in range(3)]
+    for t in parts:
+        w.write_unbuffered(tensor_memoryview(t), t)
+    threads = list(w._threads)
+    assert threads
+    real = w._work
+    sent: list[object] = []
+
+    class Interrupted:
+        def put(self, job: object) -> None:
+            if job is None and not sent:
+                sent.append(job)
+                raise KeyboardInterrupt
+            real.put(job)  # type: ignore[arg-type]
+
+        def get(self) -> object:
+            return real.get()
+
+    w._work = Interrupted()  # type: ignore[assignment]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            w.abort()
+        assert not [t for t in threads if t.is_alive()]
+        assert w._fd is None and not (tmp_path / "f").exists()
+        assert sum(len(v) for v in pool._idle.values()) == local._COPY_NBUF
+    finally:
+        for _ in threads:
+            real.put(None)  # threads left by a regression end here
