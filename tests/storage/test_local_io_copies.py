@@ -5,15 +5,16 @@ copies still queued leaving no file, no thread and every bounce buffer back in t
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import random
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from _memory import huge_page_arena
 
 from ckptmgr import CheckpointManager
 from ckptmgr.dcp.tensor_bytes import tensor_memoryview
@@ -59,6 +60,20 @@ def _copy_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return names
 
 
+def _write_and_fail(w: local._DirectWriter, count: int, match: str) -> None:
+    """Write ``count`` random 3 MiB tensors and commit, which must fail with StorageError
+    ``match``; the writer is aborted then, as the dcp writer does when a write raises."""
+    parts = [torch.randint(0, 256, (3 * MIB,), dtype=torch.uint8) for _ in range(count)]
+    with pytest.raises(StorageError, match=match):
+        try:
+            for t in parts:
+                w.write_unbuffered(tensor_memoryview(t), t)
+            w.commit()
+        except StorageError:
+            w.abort()
+            raise
+
+
 def _play(w: local._DirectWriter, seed: int, arena: tuple[mmap.mmap, int]) -> bytes:
     """Random writes (small and large, writable and read-only, temporaries dropped at once,
     staging slots registered as huge pages); returns the bytes the file must hold."""
@@ -95,15 +110,10 @@ def _play(w: local._DirectWriter, seed: int, arena: tuple[mmap.mmap, int]) -> by
 
 
 @pytest.fixture
-def arena() -> tuple[mmap.mmap, int]:
-    m = mmap.mmap(-1, 8 * MIB)
-    m[:] = os.urandom(8 * MIB)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    local.note_huge_pages(addr, len(m))
-    try:
-        yield m, addr
-    finally:
-        local.forget_huge_pages(addr)
+def arena() -> Iterator[tuple[mmap.mmap, int]]:
+    """8 MiB of staging-like memory (random bytes, registered as huge pages)."""
+    with huge_page_arena(8 * MIB) as a:
+        yield a
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -208,16 +218,7 @@ def test_an_io_error_with_io_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(local.os, "pwrite", failing)
     names = _copy_threads(monkeypatch)
-    w = _writer(tmp_path, 16 * MIB, io_copies=True)
-    parts = [torch.randint(0, 256, (3 * MIB,), dtype=torch.uint8) for _ in range(5)]
-    with pytest.raises(StorageError, match="Input/output error"):
-        try:
-            for t in parts:
-                w.write_unbuffered(tensor_memoryview(t), t)
-            w.commit()
-        except StorageError:
-            w.abort()
-            raise
+    _write_and_fail(_writer(tmp_path, 16 * MIB, io_copies=True), 5, "Input/output error")
     assert names
     assert not (tmp_path / "f").exists()
     assert sum(len(v) for v in pool._idle.values()) == local._COPY_NBUF
@@ -299,16 +300,7 @@ def test_a_failure_that_is_not_the_disks_fails_the_file(
             raise BufferError("source released (injected)")
 
     monkeypatch.setattr(local, "_make_copies", broken)
-    w = _writer(tmp_path, 16 * MIB, io_copies=True)
-    parts = [torch.randint(0, 256, (3 * MIB,), dtype=torch.uint8) for _ in range(4)]
-    with pytest.raises(StorageError, match="source released"):
-        try:
-            for t in parts:
-                w.write_unbuffered(tensor_memoryview(t), t)
-            w.commit()
-        except StorageError:
-            w.abort()
-            raise
+    _write_and_fail(_writer(tmp_path, 16 * MIB, io_copies=True), 4, "source released")
     assert not (tmp_path / "f").exists()
     assert sum(len(v) for v in pool._idle.values()) == local._COPY_NBUF
 

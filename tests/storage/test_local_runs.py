@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _memory import huge_page_arena
 
 from ckptmgr import CheckpointManager
 from ckptmgr._async import Stager
@@ -36,14 +37,8 @@ def _direct_writer(root: Path, size_hint: int) -> local._DirectWriter:
 @pytest.fixture
 def arena() -> Iterator[tuple[mmap.mmap, int]]:
     """2 MiB of page-aligned memory registered as huge pages, filled with random bytes."""
-    m = mmap.mmap(-1, 2 * MIB)
-    m[:] = os.urandom(2 * MIB)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
-    local.note_huge_pages(addr, len(m))
-    try:
-        yield m, addr
-    finally:
-        local.forget_huge_pages(addr)
+    with huge_page_arena(2 * MIB) as a:
+        yield a
 
 
 def _slot(m: mmap.mmap, start: int, n: int) -> memoryview:
