@@ -40,12 +40,13 @@ run save-direct-vs-auto --a "ckptmgr.storage.local.DIRECT_IO=True" --b "ckptmgr.
 run restore-buffered-vs-streamed --op ckptmgr.restore --a "ckptmgr.storage.local.DIRECT_READ=False" --b "ckptmgr.storage.local.DIRECT_READ=True"
 run restore-vs-dcp --a ckptmgr.restore --b dcp.load
 run floor-read-vs-restore --a floor.read --b ckptmgr.restore
-# Round 5's candidates, off by default because 2 cores showed no gain (docs/performance.md):
-# work moved off the caller's thread, and the write pattern (writes in flight, write size).
+# Round 5 (docs/performance.md): its default (four bounce buffers in flight) against the old,
+# and its candidates, off by default because 2 cores showed no gain: work moved off the
+# caller's thread, and larger buffers.
+run save-cap-vs-no-cap --op ckptmgr.save --a "ckptmgr.storage.local.COPY_IN_FLIGHT=None" --b ""
 run save-copies-on-io-threads --op ckptmgr.save --a "" --b "ckptmgr.storage.local.COPY_IN_IO_THREADS=True"
 run save-hash-behind --op ckptmgr.save --a "" --b "ckptmgr.dcp.writer.HASH_BEHIND=True"
 run save-both-behind --op ckptmgr.save --a "" --b "ckptmgr.storage.local.COPY_IN_IO_THREADS=True ckptmgr.dcp.writer.HASH_BEHIND=True"
-run save-4-in-flight --op ckptmgr.save --a "" --b "ckptmgr.storage.local._DIRECT_THREADS=4"
 run save-32mib-buffers --op ckptmgr.save --a "" --b "ckptmgr.storage.local._COPY_DIV=32"
 echo "== write patterns ($(date -u +%T))"
 timeout 150 "$py" "$repo/benchmarks/write_patterns.py" --dir "$scratch" --rounds 4 --out "$out/write-patterns.json" 2>&1 | tail -12

@@ -15,10 +15,10 @@ Call order (DCP's, per save):
    resolved on the stream's thread, small ones coalesced into one ``writev`` per 8 MiB, large ones
    handed to the storage's ``write_unbuffered`` where it has one (local direct I/O: copied into
    its huge-page bounce buffers, or with ``COPY_ALL`` off written from the tensor's own memory
-   after padding the storage chose, which the file checksum covers) and hashed meanwhile on a
-   thread of the stream's own (``HASH_BEHIND``), else hashed and written in 4 MiB pieces. Each
-   item and each file get an xxh3-64 checksum, computed in that same pass over the source. The
-   files are fsynced; locations go in the results.
+   after padding the storage chose, which the file checksum covers) and hashed meanwhile (with
+   ``HASH_BEHIND``, on a thread of the stream's own), else hashed and written in 4 MiB pieces.
+   Each item and each file get an xxh3-64 checksum, computed in that same pass over the source.
+   The files are fsynced; locations go in the results.
 4) (coordinator, after every rank's ``write_data`` returned) ``finish``: write the metadata JSON,
    then the manifest, then make it visible: rename the staging directory into place (POSIX), or
    write the manifest object last (object stores, overwrite, and always for the standalone
@@ -30,7 +30,7 @@ CPU share: by default one stream per rank, so a background save uses about one c
 checksums and the copy into the bounce buffers (where the local storage writes with direct I/O,
 its choice by measurement, I/O threads that mostly sleep in the kernel write from those buffers,
 and no kernel time goes to page-cache writeback); with the checksums behind, the two run side by
-side on two threads, the same CPU time in all. Stream
+side on two threads (``HASH_BEHIND``), the same CPU time in all. Stream
 threads are ckptmgr's own and can run at a raised nice value (``io_nice``); the default is 0
 because a reniced writer, starved by a busy training loop, took 5x longer and cost the loop as
 much compute (docs/performance.md). The calling thread is never reniced.
@@ -112,12 +112,14 @@ _BATCH_ITEMS = 256
 _PIECE = 4 << 20
 # Make the checksums behind the copies, on a thread of their own (_HashBehind), where the
 # storage takes items whole (local direct I/O): refilling the buffers that a batch of completed
-# writes handed back then costs the copy only. A 1 GiB save took 0.961 [0.86-1.02] the time
-# (27/40 pairs) and 0.938 [0.85-1.04] with COPY_IN_FLIGHT (25/40) on this machine's disk;
-# save_async 0.976 (11/20); on a CPU-bound tmpfs loop disk 1.035 (9/20); compute lost during a
-# background save 0.45-0.58 s against 0.62-0.64 s (docs/performance.md, "Round 5").
-HASH_BEHIND = True
+# writes handed back then costs the copy only. Off: handing items over one at a time, a 1 GiB
+# save took 0.961 and 0.938 the time (27/40 and 25/40 pairs), but a save of 816 tiny tensors
+# 78 ms instead of 63 (GIL hand-offs per item); handed over in 4 MiB batches, tiny saves cost
+# nothing more and the 1 GiB gain was gone (15/30 and 13/30 pairs; docs/performance.md,
+# "Round 5"). It is there to be measured on many-core hosts (benchmarks/disk_ab.sh pairs it).
+HASH_BEHIND = False
 _BEHIND_MAX = 256 << 20  # bytes queued for the hashing thread at most (then the stream waits)
+_BEHIND_BATCH = 4 << 20  # bytes handed to the hashing thread at once, at least (or the rest)
 _CHUNK_WRITERS = 8  # shared chunks written (and fsynced) at once per rank
 _ZEROS = bytes(64 << 10)  # file padding before an item the storage aligned
 # A second stream only pays off with enough bytes for each (measured in docs/performance.md).
@@ -250,21 +252,27 @@ class _HashBehind:
     """The checksums of one data file (each item's and the file's, in the file's order) made on
     a thread of their own, behind the stream's thread, which meanwhile copies the next items into
     the storage's buffers (local direct I/O): refilling a buffer the disk has just emptied then
-    costs the copy only. Each queued view's owner is kept until it is hashed, and at most
-    ``_BEHIND_MAX`` bytes wait (the stream waits beyond), so a starved hashing thread never holds
-    more than that of temporaries (a GPU tensor's host copy) alive.
+    costs the copy only. Items go over in batches of at least ``_BEHIND_BATCH`` bytes (one
+    hand-over per item cost 18 us of GIL hand-offs: 816 tiny tensors saved in 78 ms instead of
+    63). Each queued view's owner is kept until it is hashed, and at most ``_BEHIND_MAX`` bytes
+    wait (the stream waits beyond), so a starved hashing thread never holds more than that of
+    temporaries (a GPU tensor's host copy) alive.
 
     Call order: :meth:`pad` and :meth:`item` ..., then :meth:`value` (waits; raises a failure),
     and always :meth:`stop` (drops what is still queued and waits; a no-op after ``value``).
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[int, memoryview, Any] | None] = queue.SimpleQueue()
+        # Batches of (slot in sums, or -1 for padding; bytes; their owner)
+        self._queue: queue.SimpleQueue[list[tuple[int, memoryview, Any]] | None] = (
+            queue.SimpleQueue())
+        self._batch: list[tuple[int, memoryview, Any]] = []
+        self._batch_bytes = 0
         self._file = Hasher()
         self.sums: list[str] = []
         self._failure: BaseException | None = None
         self._stopped = False
-        self._waiting = 0  # bytes queued and not hashed yet
+        self._waiting = 0  # bytes handed over and not hashed yet
         self._room = threading.Condition()
         thread = threading.Thread(target=self._run, name="ckptmgr-hash", daemon=True)
         thread.start()
@@ -272,46 +280,59 @@ class _HashBehind:
 
     def pad(self, data: bytes) -> None:
         """File bytes of no item (zeros the storage padded with)."""
-        self._queue.put((-1, memoryview(data), None))
+        self._add(-1, memoryview(data), None)
 
     def item(self, mv: memoryview, owner: Any) -> int:
-        """Queue item bytes ``mv`` (``owner`` keeps them alive); returns its slot in ``sums``.
-        Waits while more than ``_BEHIND_MAX`` bytes are queued."""
-        with self._room:
-            self._room.wait_for(lambda: self._waiting <= _BEHIND_MAX)
-            self._waiting += len(mv)
+        """Queue item bytes ``mv`` (``owner`` keeps them alive); returns its slot in ``sums``."""
         self.sums.append("")
-        self._queue.put((len(self.sums) - 1, mv, owner))
+        self._add(len(self.sums) - 1, mv, owner)
         return len(self.sums) - 1
 
+    def _add(self, slot: int, mv: memoryview, owner: Any) -> None:
+        self._batch.append((slot, mv, owner))
+        self._batch_bytes += len(mv)
+        if self._batch_bytes >= _BEHIND_BATCH:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Queue the batch, once fewer than ``_BEHIND_MAX`` bytes wait."""
+        if not self._batch:
+            return
+        batch, nbytes = self._batch, self._batch_bytes
+        with self._room:
+            self._room.wait_for(lambda: self._waiting <= _BEHIND_MAX)
+            self._waiting += nbytes
+        self._batch, self._batch_bytes = [], 0
+        self._queue.put(batch)
+
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
-            slot, mv, _owner = job
+        while (batch := self._queue.get()) is not None:
             try:
-                if self._stopped or self._failure is not None:
-                    continue
-                if slot < 0:
-                    self._file.update(mv)
-                    continue
-                h = Hasher()
-                for off in range(0, len(mv), _PIECE):  # both sums from cache, piece by piece
-                    if self._stopped:
-                        break
-                    piece = mv[off:off + _PIECE]
-                    h.update(piece)
-                    self._file.update(piece)
-                self.sums[slot] = h.value()
+                for slot, mv, _owner in batch:
+                    if self._stopped or self._failure is not None:
+                        continue
+                    if slot < 0:
+                        self._file.update(mv)
+                        continue
+                    h = Hasher()
+                    for off in range(0, len(mv), _PIECE):  # both sums from cache, by pieces
+                        if self._stopped:
+                            break
+                        piece = mv[off:off + _PIECE]
+                        h.update(piece)
+                        self._file.update(piece)
+                    self.sums[slot] = h.value()
             except BaseException as e:
                 self._failure = e
             finally:
-                if slot >= 0:
-                    with self._room:
-                        self._waiting -= len(mv)
-                        self._room.notify_all()
-                del job, mv, _owner
+                with self._room:
+                    self._waiting -= sum(len(mv) for _, mv, _ in batch)
+                    self._room.notify_all()
+                del batch
 
     def value(self) -> str:
         """Wait until everything queued is hashed; the file's checksum."""
+        self._hand_over()
         self._join()
         if self._failure is not None:
             raise self._failure
@@ -322,6 +343,7 @@ class _HashBehind:
     def stop(self) -> None:
         """Drop what is queued (the item being hashed too, at its next piece) and wait."""
         self._stopped = True
+        self._batch, self._batch_bytes = [], 0
         self._join()
 
     def _join(self) -> None:

@@ -199,6 +199,7 @@ def test_a_starved_hashing_thread_holds_a_bounded_backlog(
     """At most _BEHIND_MAX bytes wait for the hashing thread: beyond, the stream waits (a GPU
     tensor's host copy is kept alive until hashed)."""
     monkeypatch.setattr(writer, "_BEHIND_MAX", 1000)
+    monkeypatch.setattr(writer, "_BEHIND_BATCH", 1)  # each item handed over on its own
     gate = threading.Event()
     real = writer.Hasher.update
 
@@ -225,3 +226,35 @@ def test_a_starved_hashing_thread_holds_a_bounded_backlog(
     finally:
         gate.set()
         h.stop()
+
+
+def test_small_items_go_over_in_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Items are handed to the hashing thread in batches of _BEHIND_BATCH bytes (one hand-over
+    per tiny item cost more in GIL hand-offs than the hashing saved), in order, and the rest at
+    value()."""
+    monkeypatch.setattr(writer, "_BEHIND_BATCH", 1000)
+    handed: list[int] = []
+    h = writer._HashBehind()
+    real = h._queue
+
+    class Counting:
+        def put(self, batch: Any) -> None:
+            if batch is not None:
+                handed.append(len(batch))
+            real.put(batch)
+
+        def get(self) -> Any:
+            return real.get()
+
+    h._queue = Counting()  # type: ignore[assignment]
+    blocks = [bytearray(bytes([i]) * 300) for i in range(7)]
+    for i, b in enumerate(blocks):
+        if i == 3:
+            h.pad(bytes(5))
+        h.item(memoryview(b), b)
+    assert handed == [5]  # three items, the padding and a fourth item: 1205 bytes >= 1000
+    whole = b"".join([*map(bytes, blocks[:3]), bytes(5), *map(bytes, blocks[3:])])
+    assert h.value() == writer.checksum(memoryview(whole))
+    assert handed == [5, 3]  # the rest at value()
+    assert h.sums == [writer.checksum(memoryview(b)) for b in blocks]
+    h.stop()
