@@ -56,7 +56,6 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptmgr._threads import finish_surely
 from ckptmgr._version import __version__
 from ckptmgr.codec.checksum import Hasher, checksum, content_digest
 from ckptmgr.codec.layout import (
@@ -80,6 +79,7 @@ from ckptmgr.codec.values import MAX_VALUE_BYTES, NotRepresentableError, encode_
 from ckptmgr.config import check_flag
 from ckptmgr.dcp._args import check_options, check_url
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
+from ckptmgr.dcp.hash_behind import HashBehind
 from ckptmgr.dcp.metadata import encode_metadata
 from ckptmgr.dcp.planner import item_bytes
 from ckptmgr.dcp.tensor_bytes import lower_thread_priority, tensor_memoryview, wait_staged
@@ -110,7 +110,7 @@ _SMALL = 1 << 20
 _BATCH = 8 << 20
 _BATCH_ITEMS = 256
 _PIECE = 4 << 20
-# Make the checksums behind the copies, on a thread of their own (_HashBehind), where the
+# Make the checksums behind the copies, on a thread of their own (HashBehind), where the
 # storage takes items whole (local direct I/O): refilling the buffers that a batch of completed
 # writes handed back then costs the copy only. Off: handing items over one at a time, a 1 GiB
 # save took 0.961 and 0.938 the time (27/40 and 25/40 pairs), but a save of 816 tiny tensors
@@ -118,8 +118,6 @@ _PIECE = 4 << 20
 # nothing more and the 1 GiB gain was gone (15/30 and 13/30 pairs; docs/performance.md,
 # "Round 5"). It is there to be measured on many-core hosts (benchmarks/disk_ab.sh pairs it).
 HASH_BEHIND = False
-_BEHIND_MAX = 256 << 20  # bytes queued for the hashing thread at most (then the stream waits)
-_BEHIND_BATCH = 4 << 20  # bytes handed to the hashing thread at once, at least (or the rest)
 _CHUNK_WRITERS = 8  # shared chunks written (and fsynced) at once per rank
 _ZEROS = bytes(64 << 10)  # file padding before an item the storage aligned
 # A second stream only pays off with enough bytes for each (measured in docs/performance.md).
@@ -246,123 +244,6 @@ def _hash_item(mv: memoryview, file_hash: Hasher,
         if write is not None:
             write(piece)
     return h.value()
-
-
-class _HashBehind:
-    """The checksums of one data file (each item's and the file's, in the file's order) made on
-    a thread of their own, behind the stream's thread, which meanwhile copies the next items into
-    the storage's buffers (local direct I/O): refilling a buffer the disk has just emptied then
-    costs the copy only. Items go over in batches of at least ``_BEHIND_BATCH`` bytes (one
-    hand-over per item cost 18 us of GIL hand-offs: 816 tiny tensors saved in 78 ms instead of
-    63). Each queued view's owner is kept until it is hashed, and at most ``_BEHIND_MAX`` bytes
-    wait (the stream waits beyond), so a starved hashing thread never holds more than that of
-    temporaries (a GPU tensor's host copy) alive.
-
-    Call order: :meth:`pad` and :meth:`item` ..., then :meth:`value` (waits; raises a failure),
-    and always :meth:`stop` (drops what is still queued and waits; a no-op after ``value``).
-    """
-
-    def __init__(self) -> None:
-        # Batches of (slot in sums, or -1 for padding; bytes; their owner)
-        self._queue: queue.SimpleQueue[list[tuple[int, memoryview, Any]] | None] = (
-            queue.SimpleQueue())
-        self._batch: list[tuple[int, memoryview, Any]] = []
-        self._batch_bytes = 0
-        self._file = Hasher()
-        self.sums: list[str] = []
-        self._failure: BaseException | None = None
-        self._stopped = False
-        self._waiting = 0  # bytes handed over and not hashed yet
-        self._room = threading.Condition()
-        thread = threading.Thread(target=self._run, name="ckptmgr-hash", daemon=True)
-        thread.start()
-        self._thread: threading.Thread | None = thread
-
-    def pad(self, data: bytes) -> None:
-        """File bytes of no item (zeros the storage padded with)."""
-        self._add(-1, memoryview(data), None)
-
-    def item(self, mv: memoryview, owner: Any) -> int:
-        """Queue item bytes ``mv`` (``owner`` keeps them alive); returns its slot in ``sums``."""
-        self.sums.append("")
-        self._add(len(self.sums) - 1, mv, owner)
-        return len(self.sums) - 1
-
-    def _add(self, slot: int, mv: memoryview, owner: Any) -> None:
-        self._batch.append((slot, mv, owner))
-        self._batch_bytes += len(mv)
-        if self._batch_bytes >= _BEHIND_BATCH:
-            self._hand_over()
-
-    def _hand_over(self) -> None:
-        """Queue the batch, once fewer than ``_BEHIND_MAX`` bytes wait."""
-        if not self._batch:
-            return
-        batch, nbytes = self._batch, self._batch_bytes
-        with self._room:
-            self._room.wait_for(lambda: self._waiting <= _BEHIND_MAX)
-            self._waiting += nbytes
-        self._batch, self._batch_bytes = [], 0
-        self._queue.put(batch)
-
-    def _run(self) -> None:
-        while (batch := self._queue.get()) is not None:
-            try:
-                for slot, mv, _owner in batch:
-                    if self._stopped or self._failure is not None:
-                        continue
-                    if slot < 0:
-                        self._file.update(mv)
-                        continue
-                    h = Hasher()
-                    for off in range(0, len(mv), _PIECE):  # both sums from cache, by pieces
-                        if self._stopped:
-                            break
-                        piece = mv[off:off + _PIECE]
-                        h.update(piece)
-                        self._file.update(piece)
-                    self.sums[slot] = h.value()
-            except BaseException as e:
-                self._failure = e
-            finally:
-                with self._room:
-                    self._waiting -= sum(len(mv) for _, mv, _ in batch)
-                    self._room.notify_all()
-                del batch
-
-    def value(self) -> str:
-        """Wait until everything queued is hashed; the file's checksum."""
-        self._hand_over()
-        self._join()
-        if self._failure is not None:
-            raise self._failure
-        if self._stopped:
-            raise Stopped
-        return self._file.value()
-
-    def stop(self) -> None:
-        """Drop what is queued (the item being hashed too, at its next piece) and wait."""
-        self._stopped = True
-        self._batch, self._batch_bytes = [], 0
-        self._join()
-
-    def _join(self) -> None:
-        """Wait for the thread, whatever interrupts (it reads the caller's memory): the end
-        of the queue is sent once, then the join is retried until it returns."""
-        thread = self._thread
-        if thread is None:
-            return
-        sent = False
-
-        def wait() -> None:
-            nonlocal sent
-            if not sent:
-                self._queue.put(None)
-                sent = True
-            thread.join()
-
-        finish_surely(wait)
-        self._thread = None
 
 
 def _item_size(item: WriteItem, encoded: Mapping[MetadataIndex, tuple[bytes, str]]) -> int:
@@ -729,7 +610,7 @@ class CkptStorageWriter(StorageWriter):
         # Where the storage copies (or writes from memory) what it is handed, the checksums are
         # made behind on a thread of their own (started in the try below: a thread that cannot
         # start fails the file like any write); else here, piece by piece as each is written.
-        behind: _HashBehind | None = None
+        behind: HashBehind | None = None
         file_hash = Hasher()
         # Each item's result, in item order: done, or (index, size, offset, checksum or its slot
         # in behind.sums, encoding) until the hashing thread has made its checksum.
@@ -759,7 +640,7 @@ class CkptStorageWriter(StorageWriter):
 
         try:
             if unbuffered is not None and HASH_BEHIND:
-                behind = _HashBehind()
+                behind = HashBehind(_PIECE)
             for item in items:
                 if stop.is_set():
                     raise Stopped

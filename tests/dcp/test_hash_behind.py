@@ -1,5 +1,5 @@
 """Checksums made behind the copies on a thread of their own (``ckptmgr.dcp.writer.HASH_BEHIND``,
-``_HashBehind``): the same item and file checksums as hashing on the stream's thread, every
+``HashBehind``): the same item and file checksums as hashing on the stream's thread, every
 item verified, and a failed or stopped write leaving no hashing thread behind."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from ckptmgr import CheckpointManager
 from ckptmgr.codec.layout import MANIFEST_NAME
 from ckptmgr.codec.manifest import decode_manifest
-from ckptmgr.dcp import writer
+from ckptmgr.dcp import hash_behind, writer
 from ckptmgr.errors import CkptmgrError, SaveError, StorageError
 from ckptmgr.storage import local
 from ckptmgr.tools.inspect import verify_steps
@@ -50,13 +50,13 @@ def test_checksums_behind_equal_checksums_inline(tmp_path: Path, monkeypatch: py
     state = _state(1)
     root = tmp_path / "run"
     started: list[int] = []
-    real = writer._HashBehind.__init__
+    real = hash_behind.HashBehind.__init__
 
-    def counting(self: writer._HashBehind) -> None:
+    def counting(self: hash_behind.HashBehind, piece: int) -> None:
         started.append(1)
-        real(self)
+        real(self, piece)
 
-    monkeypatch.setattr(writer._HashBehind, "__init__", counting)
+    monkeypatch.setattr(hash_behind.HashBehind, "__init__", counting)
     with CheckpointManager(str(root), save_interval=1) as mgr:
         for step, behind in ((1, False), (2, True)):
             monkeypatch.setattr(writer, "HASH_BEHIND", behind)
@@ -107,19 +107,19 @@ def test_a_failed_write_leaves_no_hashing_thread(tmp_path: Path,
 
 def test_hash_behind_stops_and_raises() -> None:
     """stop drops what is queued and joins; a failure on the thread is raised by value."""
-    h = writer._HashBehind()
+    h = hash_behind.HashBehind(writer._PIECE)
     data = bytearray(b"x" * 1000)
     slot = h.item(memoryview(data), data)
     assert h.value() == writer.checksum(memoryview(data))  # the file: this one item
     assert h.sums[slot] == writer.checksum(memoryview(data))
     h.stop()  # a no-op after value
-    broken = writer._HashBehind()
+    broken = hash_behind.HashBehind(writer._PIECE)
     broken.item(memoryview(b"abc"), None)
     broken.sums.clear()  # the slot the thread fills is gone: it fails with IndexError
     with pytest.raises(IndexError):
         broken.value()
     broken.stop()
-    stopped = writer._HashBehind()
+    stopped = hash_behind.HashBehind(writer._PIECE)
     stopped.stop()
     assert not _hashing_threads()
 
@@ -171,7 +171,7 @@ def test_a_hashing_thread_that_cannot_start_leaves_no_open_writer(
 def test_an_interrupt_while_stopping_still_joins_the_hashing_thread() -> None:
     """Found by review: a Ctrl-C between taking the thread and sending it the end of the queue
     left it running (reading the caller's memory after the save returned)."""
-    h = writer._HashBehind()
+    h = hash_behind.HashBehind(writer._PIECE)
     real = h._queue
     sent: list[object] = []
 
@@ -196,10 +196,10 @@ def test_an_interrupt_while_stopping_still_joins_the_hashing_thread() -> None:
 
 def test_a_starved_hashing_thread_holds_a_bounded_backlog(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """At most _BEHIND_MAX bytes wait for the hashing thread: beyond, the stream waits (a GPU
+    """At most BEHIND_MAX bytes wait for the hashing thread: beyond, the stream waits (a GPU
     tensor's host copy is kept alive until hashed)."""
-    monkeypatch.setattr(writer, "_BEHIND_MAX", 1000)
-    monkeypatch.setattr(writer, "_BEHIND_BATCH", 1)  # each item handed over on its own
+    monkeypatch.setattr(hash_behind, "BEHIND_MAX", 1000)
+    monkeypatch.setattr(hash_behind, "BEHIND_BATCH", 1)  # each item handed over on its own
     gate = threading.Event()
     real = writer.Hasher.update
 
@@ -208,7 +208,7 @@ def test_a_starved_hashing_thread_holds_a_bounded_backlog(
         real(self, data)
 
     monkeypatch.setattr(writer.Hasher, "update", slow)
-    h = writer._HashBehind()
+    h = hash_behind.HashBehind(writer._PIECE)
     try:
         blocks = [bytearray(600) for _ in range(4)]
         h.item(memoryview(blocks[0]), blocks[0])
@@ -229,12 +229,12 @@ def test_a_starved_hashing_thread_holds_a_bounded_backlog(
 
 
 def test_small_items_go_over_in_batches(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Items are handed to the hashing thread in batches of _BEHIND_BATCH bytes (one hand-over
+    """Items are handed to the hashing thread in batches of BEHIND_BATCH bytes (one hand-over
     per tiny item cost more in GIL hand-offs than the hashing saved), in order, and the rest at
     value()."""
-    monkeypatch.setattr(writer, "_BEHIND_BATCH", 1000)
+    monkeypatch.setattr(hash_behind, "BEHIND_BATCH", 1000)
     handed: list[int] = []
-    h = writer._HashBehind()
+    h = hash_behind.HashBehind(writer._PIECE)
     real = h._queue
 
     class Counting:
