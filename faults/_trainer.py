@@ -56,8 +56,12 @@ def main(argv: list[str]) -> None:
         # Half the lives (by the step they resume at) write while the state is still being
         # copied into staging (the default only where a CPU is spare), so kills land there too.
         from ckptmgr import _save_path
+        from ckptmgr.dcp import writer
 
         _save_path.OVERLAP_STAGING = start % 2 == 1
+        # Half the lives, crossed with those, make the checksums on a thread of their own
+        # (ckptmgr.dcp.writer.HASH_BEHIND, off by default), so kills land there too.
+        writer.HASH_BEHIND = start % 4 >= 2
     say("ready", start, os.getpid())
     for step in range(start, start + steps):
         train_step(model, opt, step)
