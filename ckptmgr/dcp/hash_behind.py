@@ -1,21 +1,41 @@
-"""Checksums made on a thread of their own, behind the thread that writes the bytes
-(``ckptmgr.dcp.writer.HASH_BEHIND``): the item and file checksums of one data file in the file's
-order. Measured in docs/performance.md, "Round 5"."""
+"""The item and file checksums of one data file, in the file's order: piece by piece as the
+bytes are written (:func:`hash_item`), or on a thread of their own behind the thread that writes
+them (:class:`HashBehind`, ``ckptmgr.dcp.writer.HASH_BEHIND``; docs/performance.md, "Round 5")."""
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ckptmgr._threads import finish_surely
 from ckptmgr.codec.checksum import Hasher
 from ckptmgr.dcp._streams import Stopped
 
-__all__ = ["BEHIND_BATCH", "BEHIND_MAX", "HashBehind"]
+__all__ = ["BEHIND_BATCH", "BEHIND_MAX", "HashBehind", "hash_item"]
 
 BEHIND_MAX = 256 << 20  # bytes queued for the hashing thread at most (then the stream waits)
 BEHIND_BATCH = 4 << 20  # bytes handed to the hashing thread at once, at least (or the rest)
+
+
+def hash_item(mv: memoryview, file_hash: Hasher, piece: int, *,
+              write: Callable[[memoryview], None] | None = None,
+              stopped: Callable[[], bool] | None = None) -> str:
+    """The checksum of item ``mv``, added to ``file_hash`` too, ``piece`` bytes at a time (so
+    the second checksum reads from cache); each piece is handed to ``write`` once hashed, where
+    given (so the write copies from cache too). ``stopped``: checked before each piece; once it
+    says so, the rest is left out (the checksums are then of no use)."""
+    h = Hasher()
+    for off in range(0, len(mv), piece):
+        if stopped is not None and stopped():
+            break
+        part = mv[off:off + piece]
+        h.update(part)
+        file_hash.update(part)
+        if write is not None:
+            write(part)
+    return h.value()
 
 
 class HashBehind:
@@ -88,14 +108,8 @@ class HashBehind:
                     if slot < 0:
                         self._file.update(mv)
                         continue
-                    h = Hasher()
-                    for off in range(0, len(mv), self._piece):
-                        if self._stopped:
-                            break
-                        piece = mv[off:off + self._piece]
-                        h.update(piece)
-                        self._file.update(piece)
-                    self.sums[slot] = h.value()
+                    self.sums[slot] = hash_item(mv, self._file, self._piece,
+                                                stopped=lambda: self._stopped)
             except BaseException as e:
                 self._failure = e
             finally:

@@ -79,7 +79,7 @@ from ckptmgr.codec.values import MAX_VALUE_BYTES, NotRepresentableError, encode_
 from ckptmgr.config import check_flag
 from ckptmgr.dcp._args import check_options, check_url
 from ckptmgr.dcp._streams import Stopped, run_streams, split_runs
-from ckptmgr.dcp.hash_behind import HashBehind
+from ckptmgr.dcp.hash_behind import HashBehind, hash_item
 from ckptmgr.dcp.metadata import encode_metadata
 from ckptmgr.dcp.planner import item_bytes
 from ckptmgr.dcp.tensor_bytes import lower_thread_priority, tensor_memoryview, wait_staged
@@ -230,20 +230,6 @@ class _ChunkWriters:
             self._queue.put(None)
         for t in threads:
             t.join()
-
-
-def _hash_item(mv: memoryview, file_hash: Hasher,
-               write: Callable[[memoryview], None] | None) -> str:
-    """The checksum of item ``mv``, added to ``file_hash`` too, piece by piece (each piece
-    written once hashed, where ``write`` is given, so the write copies from cache)."""
-    h = Hasher()
-    for off in range(0, len(mv), _PIECE):
-        piece = mv[off:off + _PIECE]
-        h.update(piece)
-        file_hash.update(piece)
-        if write is not None:
-            write(piece)
-    return h.value()
 
 
 def _item_size(item: WriteItem, encoded: Mapping[MetadataIndex, tuple[bytes, str]]) -> int:
@@ -690,7 +676,7 @@ class CkptStorageWriter(StorageWriter):
                     if behind is not None:
                         item_sum = behind.item(mv, owner)
                     else:
-                        item_sum = _hash_item(mv, file_hash, None)
+                        item_sum = hash_item(mv, file_hash, _PIECE)
                 else:
                     flush()
                     if behind is not None:
@@ -698,7 +684,7 @@ class CkptStorageWriter(StorageWriter):
                         for off in range(0, n, _PIECE):
                             writer.write(mv[off:off + _PIECE])
                     else:
-                        item_sum = _hash_item(mv, file_hash, writer.write)
+                        item_sum = hash_item(mv, file_hash, _PIECE, write=writer.write)
                 placed.append((item.index, n, pos, item_sum, enc))
                 pos += n
             flush()
