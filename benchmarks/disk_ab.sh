@@ -8,7 +8,10 @@
 # BENCH=1, then one same-run bench.py (floors, torch.save, dcp, safetensors, ckptmgr; 3
 # repetitions).
 #
-#   OUT=/path/for/results [BENCH=1] benchmarks/disk_ab.sh   (JSON per comparison, log.txt in $OUT)
+#   OUT=/path/for/results [BENCH=1] [SKIP="name ..."] benchmarks/disk_ab.sh
+#
+# JSON per comparison and log.txt in $OUT; SKIP names comparisons (as printed after "==") not to
+# run, for a host whose time is short.
 #
 # Offline hosts: dependencies missing from the host's Python come from benchmarks/.wheels (see
 # gpu_check.sh --fetch-wheels). The scratch files go under the repository (.ab-scratch), removed
@@ -30,7 +33,9 @@ scratch="$repo/.ab-scratch"; mkdir -p "$scratch"
 echo "== disk"; df -hT "$scratch" /tmp; lsblk -o NAME,SIZE,ROTA,TYPE,MODEL,TRAN 2>/dev/null | head -20
 dev=$(df --output=source "$scratch" | tail -1); echo "source $dev"; findmnt -T "$scratch"
 nproc; uptime
-run() { name=$1; shift; echo "== $name ($(date -u +%T))"
+run() { name=$1; shift
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then echo "== $name: skipped (SKIP)"; return; fi
+  echo "== $name ($(date -u +%T))"
   timeout 60 "$py" "$repo/benchmarks/ab.py" "$@" --size 1GiB --pairs 10 --dir "$scratch" --out "$out/$name.json" 2>&1 | tail -9; }
 run floors --a floor.write_stream --b floor.write_direct
 run save-vs-floor-direct --a floor.write_direct --b ckptmgr.save
