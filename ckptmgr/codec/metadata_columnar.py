@@ -29,6 +29,7 @@ import numpy as np
 from ckptmgr.codec.chunks import (
     INT64_END,
     Boxes,
+    BoxList,
     BoxTable,
     Column,
     GridBoxes,
@@ -110,6 +111,12 @@ def _grid_of(size: tuple[int, ...], chunks: Boxes) -> GridBoxes | None:
     """``chunks`` as a :class:`GridBoxes` when they are exactly one, else None."""
     if isinstance(chunks, GridBoxes):
         return chunks
+    if type(chunks) is BoxList and len(chunks.boxes) == 1:
+        # The common case (an unsharded tensor): one chunk, the whole tensor. The grid the
+        # general path below finds for it, without building and comparing its box.
+        offsets, sizes = chunks.boxes[0]
+        if tuple(sizes) == size and not any(offsets):
+            return GridBoxes(size, 0, max(1, size[0]) if size else 1, 1)
     n, nd = len(chunks), len(size)
     if nd == 0:
         return GridBoxes(size, 0, 1, 1) if n == 1 else None
@@ -222,8 +229,11 @@ def _encode_v2_or_raise(doc: MetadataDoc) -> bytes:
         if len(locs) != len(chunks):
             raise _NotColumnar
         file_col, pos_col, sum_col = [], [], []
+        # One chunk that is the whole tensor: its box without building it (the grid's box 0).
+        whole = (grid is not None and grid.num_chunks == 1
+                 and (not size or grid.step >= size[grid.dim]))
         for i in range(len(chunks)):
-            offsets, sizes = chunks.box(i)
+            offsets, sizes = ((0,) * len(size), size) if whole else chunks.box(i)
             loc = locs.get(offsets)
             if (not isinstance(loc, ItemLocation) or loc.enc != "raw"
                     or loc.length != math.prod(sizes) * itemsize):

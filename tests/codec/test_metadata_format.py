@@ -179,6 +179,55 @@ def test_irregular_layouts_values_and_planner_data_round_trip() -> None:
     _same(md, back)
 
 
+def _one_chunk_each(partial: bool = True) -> Metadata:
+    """Tensors of one chunk each: whole tensors of every rank (0-d, empty dimensions), and
+    (``partial``) one chunk that is not the whole tensor (a shard away from the origin, a part
+    of one): metadata of one rank's view, which decoding refuses (the tensor is not covered)."""
+    f32 = TensorProperties(dtype=torch.float32)
+    shapes: list[tuple[list[int], list[int], list[int]]] = [  # size, offsets, sizes
+        ([], [], []), ([0], [0], [0]), ([7], [0], [7]), ([3, 0, 2], [0, 0, 0], [3, 0, 2]),
+        ([4, 5, 6], [0, 0, 0], [4, 5, 6]), ([1, 9], [0, 0], [1, 9]),
+        *([([8, 4], [4, 0], [4, 4]), ([8, 4], [0, 0], [4, 4]), ([8, 4], [0, 0], [8, 2])]
+          if partial else [])]
+    sdm: dict[str, Any] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    pos = 0
+    for i, (size, offsets, sizes) in enumerate(shapes):
+        chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+        sdm[f"t{i}"] = TensorStorageMetadata(f32, torch.Size(size), [chunk])
+        n = (torch.Size(sizes).numel() if sizes else 1) * 4
+        storage[MetadataIndex(f"t{i}", chunk.offsets)] = ItemLocation(
+            f"data-0123456789ab-r00000-{i % 2:03d}.bin", pos, n,
+            f"xxh3_64:{(pos * 2654435761 + i) % (1 << 64):016x}", "raw")
+        pos += n
+    return Metadata(sdm, storage_data=storage)
+
+
+def test_the_whole_tensor_shortcut_encodes_as_the_general_path() -> None:
+    """The encoder's shortcut for a tensor of one whole chunk (the common case, taken for the
+    plain chunk list) writes the bytes its general path writes (taken for any other list)."""
+    from ckptmgr.codec.chunks import BoxList
+    from ckptmgr.codec.metadata_columnar import encode_columnar_metadata
+    from ckptmgr.dcp.metadata import to_doc
+
+    class Listed(BoxList):
+        """Not exactly a BoxList: the encoder takes its general path."""
+
+    md = _one_chunk_each()
+    fast = to_doc(md)
+    general = to_doc(md)
+    for te in general.tensors.values():
+        assert type(te.chunks) is BoxList
+        te.chunks.__class__ = Listed
+    data = encode_columnar_metadata(fast)
+    assert data is not None and data == encode_columnar_metadata(general)
+    whole = _one_chunk_each(partial=False)
+    _same(whole, decode_metadata(encode_metadata(whole)))
+    grids = {t["fqn"]: t.get("grid") for t in _header(data)["tensors"]}
+    assert grids["t0"] == [0, 1, 1] and grids["t1"] == [0, 1, 1] and grids["t4"] == [0, 4, 1]
+    assert grids["t6"] is None and grids["t7"] == [0, 4, 1] and grids["t8"] == [1, 2, 1]
+
+
 def test_metadata_that_does_not_fit_format_2_is_written_as_format_1() -> None:
     md = _irregular()
     idx = MetadataIndex("a", [0, 0])
