@@ -12,7 +12,8 @@ A variant is a string of whitespace-separated tokens:
 - an operation (at most one; default ``--op``): ``floor.write_dd``, ``floor.write_stream``,
   ``floor.write_direct``, ``floor.read``, ``torch.save``, ``torch.load``, ``safetensors.save``,
   ``safetensors.load``, ``dcp.save``, ``dcp.load``, ``ckptmgr.save``,
-  ``ckptmgr.save_async`` (until committed), ``ckptmgr.restore``. The floors and the cold reads are
+  ``ckptmgr.save_async`` (until committed), ``ckptmgr.save_async.blocked`` (until the call
+  returns; the save is then waited for, untimed), ``ckptmgr.restore``. The floors and the cold reads are
   bench.py's own (``benchmarks/bench.py``); reads are cold (its ``PageCache``);
 - settings, applied only while that variant's trial runs: ``NAME=VALUE`` sets an environment
   variable; ``package.module.ATTR=VALUE`` sets a module attribute (the value read as a Python
@@ -53,7 +54,7 @@ import bench  # benchmarks/ is not a package: bench.py sits beside this file
 
 OPS = ["floor.write_dd", "floor.write_stream", "floor.write_direct", "floor.read", "torch.save",
        "torch.load", "safetensors.save", "safetensors.load", "dcp.save", "dcp.load",
-       "ckptmgr.save", "ckptmgr.save_async", "ckptmgr.restore"]
+       "ckptmgr.save", "ckptmgr.save_async", "ckptmgr.save_async.blocked", "ckptmgr.restore"]
 
 
 # ------------------------------------------------------------------------------------ variants
@@ -307,6 +308,14 @@ class Runner:
             mgr.join()
 
         return self.b._timed(save)
+
+    def _ckptmgr_save_async_blocked(self, side: str, v: Variant) -> float:
+        mgr = self._manager(side)
+        step = self._fresh_step(side)
+        try:
+            return self.b._timed(lambda: mgr.save_async(step, self.b.state))
+        finally:
+            mgr.join()  # untimed, still under v's settings
 
     def _ckptmgr_restore(self, side: str, v: Variant) -> float:
         mgr = self._manager(side)

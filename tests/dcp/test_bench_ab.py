@@ -72,6 +72,13 @@ def test_interleaved_pairs_end_to_end(tmp_path: Path) -> None:
     assert doc["b"]["op"] == "cmd" and len(doc["b"]["samples_s"]) == 2
     assert "AB_TEST_Y" not in os.environ
 
+    # A background save's blocked time against its time until committed.
+    doc = ab.main(["--a", "ckptmgr.save_async.blocked", "--b", "ckptmgr.save_async",
+                   "--size", "1MiB", "--count", "8", "--pairs", "2", "--warmup", "0",
+                   "--dir", str(scratch)])
+    assert doc["a"]["op"] == "ckptmgr.save_async.blocked" and len(doc["a"]["samples_s"]) == 2
+    assert list(scratch.iterdir()) == []
+
 
 def test_write_patterns_measures_each_pattern(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
