@@ -13,7 +13,9 @@ A variant is a string of whitespace-separated tokens:
   ``floor.write_direct``, ``floor.read``, ``torch.save``, ``torch.load``, ``safetensors.save``,
   ``safetensors.load``, ``dcp.save``, ``dcp.load``, ``ckptmgr.save``,
   ``ckptmgr.save_async`` (until committed), ``ckptmgr.save_async.blocked`` (until the call
-  returns; the save is then waited for, untimed), ``ckptmgr.restore``. The floors and the cold reads are
+  returns; the save is then waited for, untimed), ``ckptmgr.save_async.compute_lost`` (the
+  seconds of a 2-thread compute loop lost while the save runs: bench.py's ``ComputeLoop``, its
+  blocked part included; reported in place of seconds), ``ckptmgr.restore``. The floors and the cold reads are
   bench.py's own (``benchmarks/bench.py``); reads are cold (its ``PageCache``);
 - settings, applied only while that variant's trial runs: ``NAME=VALUE`` sets an environment
   variable; ``package.module.ATTR=VALUE`` sets a module attribute (the value read as a Python
@@ -52,9 +54,10 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # benchmarks/ is not a package: bench.py sits beside this file
 
+COMPUTE_MIN_S = 1.5  # the compute loop runs at least this long per trial (the save ends first)
 OPS = ["floor.write_dd", "floor.write_stream", "floor.write_direct", "floor.read", "torch.save",
        "torch.load", "safetensors.save", "safetensors.load", "dcp.save", "dcp.load",
-       "ckptmgr.save", "ckptmgr.save_async", "ckptmgr.save_async.blocked", "ckptmgr.restore"]
+       "ckptmgr.save", "ckptmgr.save_async", "ckptmgr.save_async.blocked", "ckptmgr.save_async.compute_lost", "ckptmgr.restore"]
 
 
 # ------------------------------------------------------------------------------------ variants
@@ -159,6 +162,7 @@ class Runner:
         self._mgrs: dict[str, Any] = {}
         self._steps: dict[str, int] = {}
         self._ready: set[str] = set()  # read sides whose files exist
+        self._loop: bench.ComputeLoop | None = None
 
     def close(self) -> None:
         for mgr in self._mgrs.values():
@@ -316,6 +320,15 @@ class Runner:
             return self.b._timed(lambda: mgr.save_async(step, self.b.state))
         finally:
             mgr.join()  # untimed, still under v's settings
+
+    def _ckptmgr_save_async_compute_lost(self, side: str, v: Variant) -> float:
+        mgr = self._manager(side)
+        step = self._fresh_step(side)
+        if self._loop is None:
+            self._loop = bench.ComputeLoop(calibrate_s=max(0.1, min(0.6, COMPUTE_MIN_S / 2)))
+        res = self._loop.run_during(lambda: bench._start_manager_save(mgr, step, self.b.state),
+                                    COMPUTE_MIN_S)
+        return float(res["lost_s"])
 
     def _ckptmgr_restore(self, side: str, v: Variant) -> float:
         mgr = self._manager(side)

@@ -44,7 +44,7 @@ def test_parse_variant_and_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ab.quantile([1.0, 2.0, 3.0, 4.0], 0.25) == 1.75
 
 
-def test_interleaved_pairs_end_to_end(tmp_path: Path) -> None:
+def test_interleaved_pairs_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Pairs alternate their order; each side's samples, medians, minimums and the per-pair
     ratios are reported; the settings reach the trial; scratch files are removed."""
     ab = _ab()
@@ -77,6 +77,15 @@ def test_interleaved_pairs_end_to_end(tmp_path: Path) -> None:
                    "--size", "1MiB", "--count", "8", "--pairs", "2", "--warmup", "0",
                    "--dir", str(scratch)])
     assert doc["a"]["op"] == "ckptmgr.save_async.blocked" and len(doc["a"]["samples_s"]) == 2
+    assert list(scratch.iterdir()) == []
+
+    # Compute lost to a background save (a short loop here).
+    monkeypatch.setattr(ab, "COMPUTE_MIN_S", 0.2)
+    doc = ab.main(["--a", "ckptmgr.save_async.compute_lost", "--b",
+                   "ckptmgr.save_async.compute_lost ckptmgr._save_path.OVERLAP_STAGING=True",
+                   "--size", "1MiB", "--count", "8", "--pairs", "1", "--warmup", "0",
+                   "--dir", str(scratch)])
+    assert all(x >= 0 for x in doc["a"]["samples_s"] + doc["b"]["samples_s"])
     assert list(scratch.iterdir()) == []
 
 
