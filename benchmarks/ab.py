@@ -15,8 +15,8 @@ A variant is a string of whitespace-separated tokens:
   ``ckptmgr.save_async`` (until committed), ``ckptmgr.save_async.blocked`` (until the call
   returns; the save is then waited for, untimed), ``ckptmgr.save_async.compute_lost`` (the
   seconds of a 2-thread compute loop lost while the save runs: bench.py's ``ComputeLoop``, its
-  blocked part included; reported in place of seconds), ``ckptmgr.restore``. The floors and the cold reads are
-  bench.py's own (``benchmarks/bench.py``); reads are cold (its ``PageCache``);
+  blocked part included; reported in place of seconds), ``ckptmgr.restore``. The floors and
+  the cold reads are bench.py's own (``benchmarks/bench.py``); reads are cold (its ``PageCache``);
 - settings, applied only while that variant's trial runs: ``NAME=VALUE`` sets an environment
   variable; ``package.module.ATTR=VALUE`` sets a module attribute (the value read as a Python
   literal when it is one, else kept as a string), e.g. ``ckptmgr.storage.local.DIRECT_IO=False``
@@ -57,7 +57,8 @@ import bench  # benchmarks/ is not a package: bench.py sits beside this file
 COMPUTE_MIN_S = 1.5  # the compute loop runs at least this long per trial (the save ends first)
 OPS = ["floor.write_dd", "floor.write_stream", "floor.write_direct", "floor.read", "torch.save",
        "torch.load", "safetensors.save", "safetensors.load", "dcp.save", "dcp.load",
-       "ckptmgr.save", "ckptmgr.save_async", "ckptmgr.save_async.blocked", "ckptmgr.save_async.compute_lost", "ckptmgr.restore"]
+       "ckptmgr.save", "ckptmgr.save_async", "ckptmgr.save_async.blocked",
+       "ckptmgr.save_async.compute_lost", "ckptmgr.restore"]
 
 
 # ------------------------------------------------------------------------------------ variants

@@ -38,7 +38,7 @@ from ckptmgr.dcp.shards import ShardedTensor, StagedDTensor, StagedShards
 from ckptmgr.errors import SaveError
 from ckptmgr.storage.local import forget_huge_pages, note_huge_pages
 
-__all__ = ["SaveQueue", "Stager", "StagingCopies", "spare_core"]
+__all__ = ["SaveQueue", "Stager", "StagingCopies"]
 
 log = logging.getLogger("ckptmgr")
 
@@ -382,14 +382,6 @@ def _cpus() -> int:
 def _copy_workers() -> int:
     """Threads that copy a staging (:func:`_memmove_all`), before the number of pieces."""
     return min(4, torch.get_num_threads(), _cpus())
-
-
-def spare_core() -> bool:
-    """Whether a save's writer has a CPU that the staging copies leave free: only then does
-    writing while they run (``ckptmgr._save_path.OVERLAP_STAGING``) not slow them down. On 2
-    cores it did: 1 GiB blocked 0.176 s instead of 0.125 s (committed 0.77 s instead of 0.95 s;
-    medians of 8, docs/performance.md)."""
-    return _cpus() > _copy_workers() + 1
 
 
 def _memmove_all(moves: list[tuple[int, int, int]],

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ckptmgr._async import SaveQueue, Stager, StagingCopies, spare_core
+from ckptmgr._async import SaveQueue, Stager, StagingCopies
 from ckptmgr._dist import Comm
 from ckptmgr._gc import gc_paused
 from ckptmgr._save_on_close import LastGiven
@@ -42,12 +42,12 @@ __all__ = ["SavePath"]
 
 log = logging.getLogger("ckptmgr")
 
-OVERLAP_STAGING: bool | None = None
+OVERLAP_STAGING: bool = True
 """Background saves without a writer process start writing while the caller's thread still
-copies the state into staging (:meth:`SavePath._submit`): True always, False never (the copies
-first, then the job), None where the writer has a CPU the copies leave free
-(:func:`~ckptmgr._async.spare_core`). An experiment's knob for ``benchmarks/`` and tests, not a
-user setting."""
+copies the state into staging (:meth:`SavePath._submit`); False: the copies first, then the job.
+On 2 CPUs, 1 GiB: committed 0.87x as long, compute lost to a training loop 0.84-1.13x (52
+pairs, even), blocked 1.5x (0.08 -> 0.125 s) (docs/performance.md, "Round 6"). An experiment's
+knob for ``benchmarks/`` and tests, not a user setting."""
 
 
 @dataclass(frozen=True)
@@ -335,8 +335,7 @@ class SavePath:
         (:class:`~ckptmgr._async.StagingCopies`), and this returns when every copy landed."""
         req = ready.request
         name = f"ckptmgr-save-{req.step}"
-        overlap = OVERLAP_STAGING if OVERLAP_STAGING is not None else spare_core()
-        if overlap and self._writer is None:
+        if OVERLAP_STAGING and self._writer is None:
             staged, copies = self._stager.stage_deferred(ready.prepared.flat)
         else:
             staged, copies = self._stager.stage(ready.prepared.flat), None

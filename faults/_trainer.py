@@ -54,7 +54,8 @@ def main(argv: list[str]) -> None:
         start = latest + 1
     if mode == "thread":
         # Half the lives (by the step they resume at) write while the state is still being
-        # copied into staging (the default only where a CPU is spare), so kills land there too.
+        # copied into staging (the default), half copy first (as process mode does), so kills
+        # land in both.
         from ckptmgr import _save_path
         from ckptmgr.dcp import writer
 
