@@ -22,7 +22,10 @@ training job's data-set cache matters more than a checkpoint's). Two byte paths:
 Which of the two is faster depends on the disk, and on a virtual disk on the hour (the same
 disk's direct and streaming floors swapped places between runs: docs/performance.md), so it is
 chosen by measurement, per file system and process (:class:`_PathChooser`): every file of at
-least ``_MEASURE_MIN`` bytes is timed from open to fsync; the first four such files alternate
+least ``_MEASURE_MIN`` bytes is timed from open to fsync; the first such file is a warm-up, written
+direct and not counted (a process's first save also pays for allocating its staging and bounce
+buffers: a background save's first direct file measured 0.88 GB/s against 2.5-2.9 later, which
+made the buffered path look faster for the next five saves); the next four alternate
 direct, buffered, direct, buffered, later ones take the path whose recent files wrote faster (by
 the median of the last ``_RECENT``; direct on a tie within 5%, for its lower CPU and untouched
 page cache), and every ``_EXPLORE_EVERY``-th one takes the other path, so a disk that changed is
@@ -254,6 +257,7 @@ class _PathChooser:
         self._lock = threading.Lock()
         self._speeds: dict[bool, list[float]] = {True: [], False: []}  # direct? -> bytes/s
         self._large = 0  # large files handed a path so far
+        self._warm = False  # the first timed file (the warm-up, not counted) has been recorded
 
     def _best(self) -> bool:
         d, b = self._speeds[True], self._speeds[False]
@@ -269,7 +273,8 @@ class _PathChooser:
             self._large += 1
             d, b = self._speeds[True], self._speeds[False]
             if len(d) < 2 or len(b) < 2:
-                return len(d) <= len(b), True  # direct, buffered, direct, buffered
+                # (the warm-up, direct), then direct, buffered, direct, buffered
+                return len(d) <= len(b), True
             best = self._best()
             return (not best if self._large % _EXPLORE_EVERY == 0 else best), True
 
@@ -278,6 +283,9 @@ class _PathChooser:
         if seconds <= 0 or nbytes < _MEASURE_MIN:
             return
         with self._lock:
+            if not self._warm:  # the warm-up: first allocations, first page faults
+                self._warm = True
+                return
             recent = self._speeds[direct]
             recent.append(nbytes / seconds)
             del recent[:-_RECENT]

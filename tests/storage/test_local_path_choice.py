@@ -33,15 +33,17 @@ def test_chooser_alternates_then_takes_the_faster_path_and_explores() -> None:
     # Small or unknown files are not timed and take the default (direct) until measured.
     assert c.choose(None) == (True, False) and c.choose(big - 1) == (True, False)
     first = []
-    for _ in range(4):
+    for i in range(5):
         direct, timed = c.choose(big)
         assert timed
         first.append(direct)
-        c.record(direct, big, 1.0 if direct else 0.5)  # buffered twice as fast
-    assert first == [True, False, True, False]
+        # buffered twice as fast; the first file (the warm-up, not counted) very slow
+        c.record(direct, big, 100.0 if i == 0 else 1.0 if direct else 0.5)
+    assert first == [True, True, False, True, False]
+    assert c._speeds[True] == [big / 1.0, big / 1.0]
     assert c.choose(None) == (False, False)  # small files follow the faster path
     picks = [c.choose(big)[0] for _ in range(2 * local._EXPLORE_EVERY)]
-    # Every 16th large file (counting the first four) tries the other path.
+    # Every 16th large file (counting the first five) tries the other path.
     assert picks.count(True) == 2 and picks.count(False) == 2 * local._EXPLORE_EVERY - 2
     # A changed disk: recent direct files now faster; the last _RECENT decide.
     for _ in range(local._RECENT):
@@ -49,7 +51,7 @@ def test_chooser_alternates_then_takes_the_faster_path_and_explores() -> None:
     assert c.choose(big)[0] is True
     # Within 5%: direct (less CPU, no page cache).
     tie = local._PathChooser()
-    for direct in (True, False, True, False):
+    for direct in (True, True, False, True, False):
         tie.record(direct, big, 1.0 if direct else 1.0 / 1.04)
     assert tie.choose(None) == (True, False)
     tie.record(True, big - 1, 0.001)  # too small to count
@@ -65,13 +67,13 @@ def test_open_writer_follows_the_chooser_and_the_override(
     monkeypatch.setattr(local, "DIRECT_IO", None)
     storage = LocalStorage(str(tmp_path))
     kinds = []
-    for i in range(4):
+    for i in range(5):
         w = storage.open_writer(f"f{i}", size_hint=128 << 10)
         kinds.append(type(w))
         w.write(os.urandom(128 << 10))
         w.commit()
         assert (tmp_path / f"f{i}").stat().st_size == 128 << 10
-    assert kinds == [local._DirectWriter, local._LocalWriter] * 2
+    assert kinds == [local._DirectWriter] + [local._DirectWriter, local._LocalWriter] * 2
     chooser = local._chooser_for(str(tmp_path))
     assert chooser is not None
     assert len(chooser._speeds[True]) == len(chooser._speeds[False]) == 2
@@ -87,7 +89,7 @@ def test_open_writer_follows_the_chooser_and_the_override(
     w = storage.open_writer("forced", size_hint=128 << 10)
     assert isinstance(w, local._DirectWriter) and w._timer is None
     w.abort()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["f0", "f1", "f2", "f3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f0", "f1", "f2", "f3", "f4"]
 
 
 def test_saves_on_both_paths_restore_bit_exact(tmp_path: Path,
