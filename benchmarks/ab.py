@@ -24,6 +24,10 @@ A variant is a string of whitespace-separated tokens:
 - or the whole variant ``cmd:<shell command>``: the command's wall time (settings as environment
   variables go before ``cmd:``), run with the scratch directory as ``$AB_DIR``.
 
+Before a ckptmgr write is first timed, untimed saves let this process's choice of direct or
+buffered writes finish learning (bench.settle_path_choice; reported as ``learning_saves``), so
+the pairs measure the path a long run writes with, not the learning's two files on the other.
+
 Usage::
 
     python benchmarks/ab.py --a floor.write_stream --b floor.write_direct --size 1GiB --pairs 10
@@ -164,6 +168,7 @@ class Runner:
         self._steps: dict[str, int] = {}
         self._ready: set[str] = set()  # read sides whose files exist
         self._loop: bench.ComputeLoop | None = None
+        self.learning_saves = 0  # untimed saves while the path choice learned
 
     def close(self) -> None:
         for mgr in self._mgrs.values():
@@ -188,6 +193,14 @@ class Runner:
                 chkpt_on_preemption=False)
             self._steps[side] = 0
         return self._mgrs[side]
+
+    def _settled(self, side: str) -> Any:
+        """``side``'s manager, after the untimed saves that let the path choice learn (under
+        the trial's settings; bench.settle_path_choice)."""
+        mgr = self._manager(side)
+        self.learning_saves += bench.settle_path_choice(
+            lambda: mgr.save(self._fresh_step(side), self.b.state), self.b.scratch, self.b.nbytes)
+        return mgr
 
     def _fresh_step(self, side: str) -> int:
         """A new step of ``side``'s manager; older steps deleted and synced first (untimed)."""
@@ -300,12 +313,12 @@ class Runner:
                              no_dist=True))
 
     def _ckptmgr_save(self, side: str, v: Variant) -> float:
-        mgr = self._manager(side)
+        mgr = self._settled(side)
         step = self._fresh_step(side)
         return self.b._timed(lambda: mgr.save(step, self.b.state))
 
     def _ckptmgr_save_async(self, side: str, v: Variant) -> float:
-        mgr = self._manager(side)
+        mgr = self._settled(side)
         step = self._fresh_step(side)
 
         def save() -> None:
@@ -315,7 +328,7 @@ class Runner:
         return self.b._timed(save)
 
     def _ckptmgr_save_async_blocked(self, side: str, v: Variant) -> float:
-        mgr = self._manager(side)
+        mgr = self._settled(side)
         step = self._fresh_step(side)
         try:
             return self.b._timed(lambda: mgr.save_async(step, self.b.state))
@@ -323,7 +336,7 @@ class Runner:
             mgr.join()  # untimed, still under v's settings
 
     def _ckptmgr_save_async_compute_lost(self, side: str, v: Variant) -> float:
-        mgr = self._manager(side)
+        mgr = self._settled(side)
         step = self._fresh_step(side)
         if self._loop is None:
             self._loop = bench.ComputeLoop(calibrate_s=max(0.1, min(0.6, COMPUTE_MIN_S / 2)))
@@ -395,7 +408,9 @@ def markdown(doc: dict[str, Any]) -> str:
     """The run as a short Markdown table."""
     r = doc["ratio_b_over_a"]
     out = [f"State: {doc['size_bytes'] / bench.GiB:.2f} GiB in {doc['count']} tensors; "
-           f"{r['pairs']} interleaved pairs after {doc['warmup']} warm-up; reads "
+           f"{r['pairs']} interleaved pairs after {doc['warmup']} warm-up"
+           + (f" and {doc['learning_saves']} untimed saves while the path choice learned"
+              if doc.get("learning_saves") else "") + "; reads "
            f"{doc['cache']}; load average {doc['loadavg'][0]:.2f} -> {doc['loadavg'][1]:.2f}.",
            "", "| variant | median s | min s |", "|---|---:|---:|"]
     for key in ("a", "b"):
@@ -473,6 +488,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         b0.close()
         ckpt_log.setLevel(level)
     meta = {"size_bytes": b0.nbytes, "count": args.count, "warmup": args.warmup,
+            "learning_saves": runner.learning_saves,
             "dir": cfg.dir, "cache": b0.cache.label, "nice": args.nice,
             "loadavg": [load0, os.getloadavg()[0]]}
     doc = summarize(a, b, samples["a"], samples["b"], first, meta)

@@ -102,6 +102,35 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+def settle_path_choice(save: Callable[[], None], scratch: str, nbytes: int) -> int:
+    """Untimed saves (``save()``, each writing a new step of about ``nbytes``) until this
+    process's choice of direct or buffered writes for ``scratch``'s file system has finished
+    learning (``ckptmgr.storage.local``: its first five large files are a warm-up, then two on
+    each path), so that timed saves see the path a long run writes with; returns the saves
+    made: 0 where the path is forced (``DIRECT_IO``), the files are too small to be timed, or
+    the choice has learned already. The learning itself costs a process two files on the
+    slower path, once (docs/performance.md, "Round 6")."""
+    from ckptmgr.storage import local
+
+    if local.DIRECT_IO is not None or nbytes < local._MEASURE_MIN:
+        return 0
+    chooser = local._chooser_for(scratch)
+    made = 0
+
+    def recorded() -> tuple[bool, int]:
+        assert chooser is not None
+        return chooser._warm, sum(len(v) for v in chooser._speeds.values())
+
+    while (chooser is not None and made < 8
+           and min(len(v) for v in chooser._speeds.values()) < 2):
+        before = recorded()
+        save()
+        made += 1
+        if recorded() == before:  # not timed (no O_DIRECT here: nothing to choose)
+            break
+    return made
+
+
 # ------------------------------------------------------------------------------ the page cache
 
 
@@ -544,6 +573,7 @@ class Bench:
         self._aligned = mmap.mmap(-1, _IO_CHUNK)  # page-aligned, for O_DIRECT
         self._aligned.write(bytes(self._buf))
         self._mgr: Any = None
+        self.learning_saves = 0  # untimed saves while the path choice learned (settle_path_choice)
         self._mgr_step = 0
         self._mode_mgrs: dict[str, Any] = {}  # async_mode -> a warmed-up manager
         self._mode_steps: dict[str, int] = {}
@@ -771,6 +801,8 @@ class Bench:
 
     def _run_ckptmgr(self, keep: bool) -> None:
         mgr = self._manager()
+        self.learning_saves += settle_path_choice(
+            lambda: mgr.save(self._next_step(), self.state), self.scratch, self.nbytes)
         nice0 = self.cfg.io_nice[0]
         for w in self.cfg.write_threads:
             for r in self.cfg.read_threads:
@@ -1024,6 +1056,7 @@ def summarize(bench: Bench) -> dict[str, Any]:
             "torch_threads": torch.get_num_threads(), "cache_drop": bench.cache.label,
             "max_resident_fraction_after_drop": max(bench.residency, default=0.0),
             "loadavg_per_rep": bench.loadavg,
+            "learning_saves": bench.learning_saves,
         },
         "rows": rows,
         "targets": targets,

@@ -111,3 +111,36 @@ def test_write_patterns_measures_each_pattern(tmp_path: Path, monkeypatch: pytes
     assert all(len(r["seconds"]) == 2 and min(r["seconds"]) > 0 for r in rows)
     assert "| write size | in flight |" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["patterns.json"]
+
+
+def test_settle_path_choice_saves_until_the_choice_has_learned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmarks' untimed saves before the first timed one: as many as the local path
+    choice needs to learn (a warm-up file, then two on each path), none once it has, none where
+    the path is forced or the files are too small to be timed."""
+    import torch
+
+    from ckptmgr import CheckpointManager
+
+    bench = _ab().bench
+    monkeypatch.setattr(local, "_CHOOSERS", {})
+    monkeypatch.setattr(local, "_MEASURE_MIN", 256 << 10)
+    monkeypatch.setattr(local, "DIRECT_IO", None)
+    state = {f"t{i}": torch.randn(70_000) for i in range(2)}
+    nbytes = bench.state_bytes(state)
+    steps = iter(range(1, 100))
+    with CheckpointManager(str(tmp_path / "run"), save_interval=1) as mgr:
+        def save() -> None:
+            mgr.save(next(steps), state)
+
+        assert bench.settle_path_choice(save, str(tmp_path), 1 << 10) == 0  # too small
+        made = bench.settle_path_choice(save, str(tmp_path), nbytes)
+        chooser = local._chooser_for(str(tmp_path))
+        assert chooser is not None
+        if not local._O_DIRECT or len(chooser._speeds[True]) < 2:  # no O_DIRECT here
+            pytest.skip("this file system takes no direct writes")
+        assert made == 5 and min(map(len, chooser._speeds.values())) == 2
+        assert bench.settle_path_choice(save, str(tmp_path), nbytes) == 0
+        monkeypatch.setattr(local, "_CHOOSERS", {})
+        monkeypatch.setattr(local, "DIRECT_IO", True)
+        assert bench.settle_path_choice(save, str(tmp_path), nbytes) == 0
