@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptmgr._dist import Comm
-from ckptmgr.codec.checksum import checksum
+from ckptmgr.codec.checksum import Hasher
 from ckptmgr.codec.metadata import ItemLocation
 from ckptmgr.dcp.checkpoint import RestoreSource, SavePlanners
 from ckptmgr.dcp.planner import REUSE_CHUNK_BYTES
@@ -72,6 +72,7 @@ from ckptmgr.errors import (
     CorruptCheckpointError,
     LeaseError,
     SaveError,
+    StorageError,
     UnsafeCheckpointError,
 )
 from ckptmgr.local_tier import LAYOUT_KEY, UPLOAD_KEY, LocalTier, is_read_failure
@@ -107,22 +108,41 @@ class _Done:
     overwrite: bool = False  # it replaced a committed step (a failure then drops the local copy)
 
 
+_VERIFY_BYTES = 8 << 20  # read at a time while an item's bytes are checked
+
+
+def _pread(fd: int, buf: memoryview, offset: int) -> int:
+    """Bytes read into ``buf`` from ``offset`` of ``fd`` (its own function: a test injects
+    the I/O error a failing disk gives, which no healthy file produces)."""
+    return os.preadv(fd, [buf], offset)
+
+
 def mapped_state(source: RestoreSource, step_dir: str) -> tuple[dict[str, Any], list[Any]]:
     """This rank's flat state for the durable writer, from its committed local step: tensors
     memory-mapped from the data files (copy-on-write, so nothing writes the files), each
-    item's bytes checked against its checksum first; Python values as stored (never decoded,
-    never unpickled); DTensor shards as :class:`~ckptmgr.dcp.shards.StagedDTensor` with the
-    chunk the local manifest records. Returns the state and the maps (kept while it is used).
+    item's bytes read and checked against its checksum first; Python values as stored (never
+    decoded, never unpickled); DTensor shards as :class:`~ckptmgr.dcp.shards.StagedDTensor`
+    with the chunk the local manifest records. Returns the state and the maps (kept while it
+    is used).
+
+    The check reads with ``pread``, not through the map: a disk's read error is then an
+    exception (a read failure: the step stays owed and is tried again), where a mapped page
+    that cannot be read kills the process with ``SIGBUS``. The writer then reads the pages the
+    check has just brought into the page cache; one evicted in between and unreadable on the
+    second read would still raise ``SIGBUS`` (a disk that read it a moment before).
 
     Raises:
         CorruptCheckpointError: a file missing, short, or not listed, or bytes that do not
             match their checksum (damaged bytes are never uploaded).
+        StorageError: a read failed (from the ``OSError``).
     """
     manifest, md = source.manifest, source.metadata
     info = manifest.metadata.get(LAYOUT_KEY) or {}
     dtensors = info.get("dtensors") or {}
     locations = md.storage_data
     maps: dict[str, mmap.mmap] = {}
+    fds: dict[str, int] = {}
+    scratch = memoryview(bytearray(0))
 
     def damaged(what: str, path: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -143,24 +163,59 @@ def mapped_state(source: RestoreSource, step_dir: str) -> tuple[dict[str, Any], 
             raise damaged(f"bytes of {index.fqn!r} lie beyond the end of the file", loc.file)
         return loc
 
+    def read_failed(path: str, e: OSError) -> StorageError:
+        return StorageError(
+            f"local step {manifest.step} in {step_dir}: reading {path} for its upload failed: "
+            f"{e.strerror or e}")
+
+    def verified(loc: ItemLocation, fqn: str) -> None:
+        nonlocal scratch
+        if len(scratch) < min(loc.length, _VERIFY_BYTES):
+            scratch = memoryview(bytearray(min(max(loc.length, 1 << 20), _VERIFY_BYTES)))
+        h, pos, end = Hasher(), loc.offset, loc.offset + loc.length
+        while pos < end:
+            part = scratch[:min(len(scratch), end - pos)]
+            try:
+                got = _pread(fds[loc.file], part, pos)
+            except OSError as e:
+                raise read_failed(loc.file, e) from e
+            if not got:
+                raise damaged("changed size while read", loc.file)
+            h.update(part[:got])
+            pos += got
+        if h.value() != loc.checksum:
+            raise damaged(f"checksum mismatch in the bytes of {fqn!r}", loc.file)
+
     def view(loc: ItemLocation, fqn: str) -> memoryview:
         if not loc.length:
             return memoryview(b"")
         mm = maps.get(loc.file)
         if mm is None:
-            fd = os.open(os.path.join(step_dir, loc.file), os.O_RDONLY | os.O_NOFOLLOW)
+            path = os.path.join(step_dir, loc.file)
             try:
+                fd = fds[loc.file] = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
                 mm = maps[loc.file] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-            finally:
-                os.close(fd)
+            except OSError as e:
+                raise read_failed(loc.file, e) from e
             if len(mm) != manifest.file(loc.file).size:  # changed since it was listed
                 raise damaged("changed size while read", loc.file)
-        data = memoryview(mm)[loc.offset:loc.offset + loc.length]
-        if checksum(data) != loc.checksum:
-            raise damaged(f"checksum mismatch in the bytes of {fqn!r}", loc.file)
-        return data
+        verified(loc, fqn)
+        return memoryview(mm)[loc.offset:loc.offset + loc.length]
 
     flat: dict[str, Any] = {}
+    try:
+        _map_items(md, dtensors, located, view, damaged, flat)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return flat, list(maps.values())
+
+
+def _map_items(md: Any, dtensors: dict[str, Any], located: Callable[[MetadataIndex], Any],
+               view: Callable[[Any, str], memoryview],
+               damaged: Callable[[str, str], CorruptCheckpointError],
+               flat: dict[str, Any]) -> None:
+    """:func:`mapped_state`'s state, item by item, into ``flat``."""
     with torch.no_grad():
         for fqn, entry in md.state_dict_metadata.items():
             if isinstance(entry, BytesStorageMetadata):
@@ -180,7 +235,6 @@ def mapped_state(source: RestoreSource, step_dir: str) -> tuple[dict[str, Any], 
             flat[fqn] = StagedDTensor(tensor, global_shape=layout["shape"], dtype=tensor.dtype,
                                       chunks=chunks,
                                       properties=TensorProperties.create_from_tensor(tensor))
-    return flat, list(maps.values())
 
 
 def _tensor(fqn: str, entry: TensorStorageMetadata, located: Callable[[MetadataIndex], Any],

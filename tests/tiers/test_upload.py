@@ -7,6 +7,7 @@ arranges (the fault file system's gate holds the durable data writes), never a g
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import threading
@@ -24,7 +25,7 @@ from test_multitier import _build as _fsdp
 
 import ckptmgr
 from ckptmgr import AsyncSaveError
-from ckptmgr.errors import CorruptCheckpointError
+from ckptmgr.errors import CorruptCheckpointError, StorageError
 
 
 @pytest.fixture
@@ -385,6 +386,41 @@ def test_a_damaged_local_file_is_never_uploaded(tmp_path: Path,
         assert "checksum" in str(err.value)
         assert mgr.step_info(10).tiers == ("local",)
     assert _durable_steps(durable) == []
+
+
+def test_a_read_error_fails_the_upload_and_keeps_the_step_owed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk's read error while the upload checks the local files (EIO, injected: no healthy
+    file gives one) is an exception, where a read through the map would kill the process with
+    SIGBUS: the upload fails after its tries and the step stays local and owed; once the disk
+    reads again, the next due save's upload commits."""
+    from ckptmgr import uploader
+
+    durable, node = str(tmp_path / "durable"), tmp_path / "node"
+    failing = [True]
+    real = uploader._pread
+
+    def pread(fd: int, buf: memoryview, offset: int) -> int:
+        if failing[0]:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return real(fd, buf, offset)
+
+    monkeypatch.setattr(uploader, "_pread", pread)
+    with _mgr(durable, node) as mgr:
+        assert mgr._uploads is not None
+        mgr._uploads.retry_s = 0.0
+        mgr.save_async(10, _state(10))
+        with pytest.raises(AsyncSaveError) as err:  # after every try failed
+            mgr.join()
+        assert err.value.step == 10
+        assert isinstance(err.value.__cause__, StorageError)
+        assert "Input/output error" in str(err.value.__cause__)
+        assert mgr.step_info(10).tiers == ("local",)
+        failing[0] = False
+        mgr.save_async(20, _state(20))
+        mgr.join()
+        assert mgr.step_info(20).tiers == ("durable", "local")
+    assert _durable_steps(durable) == [20]
 
 
 def test_close_waits_for_the_upload(faulty: str, tmp_path: Path) -> None:
