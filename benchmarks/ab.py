@@ -377,10 +377,16 @@ def quantile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
+def _ratio(y: float, x: float) -> float:
+    """``y / x``, or NaN where ``x`` is not positive (no ratio)."""
+    return y / x if x > 0 else float("nan")
+
+
 def summarize(a: Variant, b: Variant, samples_a: list[float], samples_b: list[float],
               first: list[str], meta: dict[str, Any]) -> dict[str, Any]:
     """The JSON document of a run: both variants' samples, medians, minimums, and the per-pair
     ratios B/A (median, interquartile range, min, max)."""
+    # A pair whose A took 0 (a compute loss can be 0) has no ratio; it still counts as a pair.
     ratios = [y / x for x, y in zip(samples_a, samples_b, strict=True) if x > 0]
 
     def side(v: Variant, xs: list[float]) -> dict[str, Any]:
@@ -393,13 +399,13 @@ def summarize(a: Variant, b: Variant, samples_a: list[float], samples_b: list[fl
     return {
         **meta, "a": sa, "b": sb, "first_of_pair": first,
         "ratio_b_over_a": {
-            "pairs": len(ratios), "per_pair": ratios,
+            "pairs": len(ratios), "pairs_run": len(samples_a), "per_pair": ratios,
             "median": statistics.median(ratios) if ratios else float("nan"),
             "q1": quantile(ratios, 0.25), "q3": quantile(ratios, 0.75),
             "min": min(ratios, default=float("nan")), "max": max(ratios, default=float("nan")),
-            "of_medians": sb["median_s"] / sa["median_s"] if samples_a else float("nan"),
-            "of_mins": sb["min_s"] / sa["min_s"] if samples_a else float("nan"),
-            "b_faster_pairs": sum(r < 1 for r in ratios),
+            "of_medians": _ratio(sb["median_s"], sa["median_s"]),
+            "of_mins": _ratio(sb["min_s"], sa["min_s"]),
+            "b_faster_pairs": sum(y < x for x, y in zip(samples_a, samples_b, strict=True)),
         },
     }
 
@@ -417,10 +423,13 @@ def markdown(doc: dict[str, Any]) -> str:
         s = doc[key]
         out.append(f"| {key.upper()}: `{s['variant']}` | {s['median_s']:.3f} | "
                    f"{s['min_s']:.3f} |")
+    run = r.get("pairs_run", r["pairs"])
     out += ["", f"B/A per pair: median **{r['median']:.3f}** (IQR {r['q1']:.3f}-{r['q3']:.3f}, "
-            f"min {r['min']:.3f}, max {r['max']:.3f}); B faster in {r['b_faster_pairs']}/"
-            f"{r['pairs']} pairs; ratio of medians {r['of_medians']:.3f}, of mins "
-            f"{r['of_mins']:.3f}."]
+            f"min {r['min']:.3f}, max {r['max']:.3f}"
+            + (f"; of the {r['pairs']} pairs whose A took more than 0" if r["pairs"] != run
+               else "")
+            + f"); B faster in {r['b_faster_pairs']}/{run} pairs; ratio of medians "
+            f"{r['of_medians']:.3f}, of mins {r['of_mins']:.3f}."]
     return "\n".join(out) + "\n"
 
 
@@ -481,7 +490,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                     first.append(order[0][0])
                 tag = "warm-up" if not keep else f"pair {i - args.warmup + 1}/{args.pairs}"
                 print(f"[ab] {tag}: A {got['a']:.3f} s, B {got['b']:.3f} s, B/A "
-                      f"{got['b'] / got['a']:.3f}, load {os.getloadavg()[0]:.2f}",
+                      f"{_ratio(got['b'], got['a']):.3f}, load {os.getloadavg()[0]:.2f}",
                       file=sys.stderr, flush=True)
     finally:
         runner.close()

@@ -117,17 +117,17 @@ def settle_path_choice(save: Callable[[], None], scratch: str, nbytes: int) -> i
     chooser = local._chooser_for(scratch)
     made = 0
 
-    def recorded() -> tuple[bool, int]:
+    def recorded() -> int:
         assert chooser is not None
-        return chooser._warm, sum(len(v) for v in chooser._speeds.values())
+        return sum(len(v) for v in chooser._speeds.values())
 
     while (chooser is not None and made < 8
            and min(len(v) for v in chooser._speeds.values()) < 2):
         before = recorded()
         save()
         made += 1
-        if recorded() == before:  # not timed (no O_DIRECT here: nothing to choose)
-            break
+        if recorded() == before and chooser._large > 1:  # not timed, and not the warm-up:
+            break  # no O_DIRECT here, nothing to choose
     return made
 
 

@@ -495,8 +495,15 @@ class SaveQueue:
                 with self._lock:
                     self._error = e
 
-        self._thread = threading.Thread(target=run, name=name, daemon=False)
-        self._thread.start()
+        thread = self._thread = threading.Thread(target=run, name=name, daemon=False)
+        try:
+            thread.start()
+        except Exception:
+            # The thread could not be started (no job runs: nothing to wait for). A Ctrl-C in
+            # start()'s wait for the new thread is no Exception: that thread runs, and is waited
+            # for like any job.
+            self._thread = None
+            raise
 
     def wait(self) -> BaseException | None:
         """Wait for the job in flight; return its exception (once), or None."""

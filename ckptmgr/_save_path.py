@@ -13,6 +13,7 @@ grace period allows, then ends the process.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -347,26 +348,37 @@ class SavePath:
             self._queue.submit(lambda: self._write(ready, staged, self._worker, blocking_s,
                                                    wire), name=name)
             return
+        # Whether the job began (it then reads buffers, and is waited for) or was called off
+        # before it began (it then returns at once): decided under one lock, since the job's
+        # thread may start after the caller gave up (Ctrl-C in Thread.start()'s wait for it).
+        began, called_off = [False], [False]
+        lock = threading.Lock()
+
         def job() -> None:
+            with lock:
+                if called_off[0]:
+                    return  # the caller raised before this began: it reads nothing
+                began[0] = True
             try:
                 self._write(ready, staged, self._worker, None, staging=copies)
             finally:
                 close_gate(copies)  # the job's own: open for as long as it may read a buffer
 
         open_gate(copies)
-        submitted = False
         try:
             self._queue.submit(job, name=name)
-            submitted = True
             copies.run(req.t_call)
         except BaseException as e:
             # First of all, before any wait: the job's next read of a buffer not yet landed
             # raises (nothing of this save is committed; it cannot wait forever either).
             copies.abort(e)
-            if not submitted:
-                close_gate(copies)
-            else:
+            with lock:
+                running = began[0]
+                called_off[0] = not running
+            if running:
                 self._queue.wait()  # its error is this one's consequence; this one is raised
+            else:
+                close_gate(copies)  # no job reads: it never began, nor will
             raise
 
     def _preemption_save(self, req: _Request, state_dict: Mapping[str, Any],

@@ -112,11 +112,16 @@ def _grid_of(size: tuple[int, ...], chunks: Boxes) -> GridBoxes | None:
     if isinstance(chunks, GridBoxes):
         return chunks
     if type(chunks) is BoxList and len(chunks.boxes) == 1:
-        # The common case (an unsharded tensor): one chunk, the whole tensor. The grid the
-        # general path below finds for it, without building and comparing its box.
+        # The common case (an unsharded tensor): one chunk, the whole tensor. What the general
+        # path below finds for it (the same values, the same checks), without building and
+        # comparing its box.
         offsets, sizes = chunks.boxes[0]
-        if tuple(sizes) == size and not any(offsets):
-            return GridBoxes(size, 0, max(1, size[0]) if size else 1, 1)
+        if len(offsets) == len(sizes) == len(size) and tuple(sizes) == size and not any(offsets):
+            if not size:
+                return GridBoxes(size, 0, 1, 1)
+            step = max(1, sizes[0])
+            # (the general path's check below, for its one chunk)
+            return None if -(-size[0] // step) + 1 < 1 else GridBoxes(size, 0, step, 1)
     n, nd = len(chunks), len(size)
     if nd == 0:
         return GridBoxes(size, 0, 1, 1) if n == 1 else None
@@ -145,6 +150,12 @@ def _grid_of(size: tuple[int, ...], chunks: Boxes) -> GridBoxes | None:
         if tuple(o) != offsets or tuple(s) != sizes:
             return None
     return grid
+
+
+def _whole_chunk(grid: GridBoxes, size: tuple[int, ...]) -> bool:
+    """Whether ``grid`` is one chunk that is the whole tensor, so that its box is (zeros,
+    ``size``) without building it (:meth:`GridBoxes.box` of chunk 0, for the same values)."""
+    return grid.num_chunks == 1 and (not size or 0 <= size[grid.dim] <= grid.step)
 
 
 def _checksum_bits(value: str, prefix: str | None) -> tuple[int, str]:
@@ -229,9 +240,7 @@ def _encode_v2_or_raise(doc: MetadataDoc) -> bytes:
         if len(locs) != len(chunks):
             raise _NotColumnar
         file_col, pos_col, sum_col = [], [], []
-        # One chunk that is the whole tensor: its box without building it (the grid's box 0).
-        whole = (grid is not None and grid.num_chunks == 1
-                 and (not size or grid.step >= size[grid.dim]))
+        whole = grid is not None and _whole_chunk(grid, size)
         for i in range(len(chunks)):
             offsets, sizes = ((0,) * len(size), size) if whole else chunks.box(i)
             loc = locs.get(offsets)

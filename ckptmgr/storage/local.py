@@ -257,7 +257,6 @@ class _PathChooser:
         self._lock = threading.Lock()
         self._speeds: dict[bool, list[float]] = {True: [], False: []}  # direct? -> bytes/s
         self._large = 0  # large files handed a path so far
-        self._warm = False  # the first timed file (the warm-up, not counted) has been recorded
 
     def _best(self) -> bool:
         d, b = self._speeds[True], self._speeds[False]
@@ -271,10 +270,13 @@ class _PathChooser:
             if size_hint is None or size_hint < _MEASURE_MIN:
                 return self._best(), False
             self._large += 1
+            if self._large == 1:
+                # The warm-up, handed out first (the slowest to finish, when files are written
+                # together): first allocations, first page faults. Direct, not timed.
+                return True, False
             d, b = self._speeds[True], self._speeds[False]
             if len(d) < 2 or len(b) < 2:
-                # (the warm-up, direct), then direct, buffered, direct, buffered
-                return len(d) <= len(b), True
+                return len(d) <= len(b), True  # direct, buffered, direct, buffered
             best = self._best()
             return (not best if self._large % _EXPLORE_EVERY == 0 else best), True
 
@@ -283,9 +285,6 @@ class _PathChooser:
         if seconds <= 0 or nbytes < _MEASURE_MIN:
             return
         with self._lock:
-            if not self._warm:  # the warm-up: first allocations, first page faults
-                self._warm = True
-                return
             recent = self._speeds[direct]
             recent.append(nbytes / seconds)
             del recent[:-_RECENT]

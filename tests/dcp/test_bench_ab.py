@@ -144,3 +144,18 @@ def test_settle_path_choice_saves_until_the_choice_has_learned(
         monkeypatch.setattr(local, "_CHOOSERS", {})
         monkeypatch.setattr(local, "DIRECT_IO", True)
         assert bench.settle_path_choice(save, str(tmp_path), nbytes) == 0
+
+
+def test_a_side_that_took_zero_has_no_ratio_but_counts_as_a_pair() -> None:
+    """A compute loss of 0 s is a result (bench.py clamps at 0): the summary and its Markdown
+    neither divide by it nor drop its pair from the count (before: ZeroDivisionError)."""
+    ab = _ab()
+    a, b = ab.parse_variant("", "ckptmgr.save_async.compute_lost"), ab.parse_variant(
+        "", "ckptmgr.save_async.compute_lost")
+    doc = ab.summarize(a, b, [0.0, 0.2, 0.1], [0.1, 0.1, 0.0], ["a", "b", "a"], {
+        "size_bytes": 1, "count": 1, "warmup": 0, "cache": "-", "loadavg": [0.0, 0.0]})
+    r = doc["ratio_b_over_a"]
+    assert r["pairs"] == 2 and r["pairs_run"] == 3 and r["b_faster_pairs"] == 2
+    assert r["per_pair"] == [0.5, 0.0] and r["of_mins"] != r["of_mins"]  # NaN: A's min is 0
+    text = ab.markdown(doc)
+    assert "B faster in 2/3 pairs" in text and "of the 2 pairs" in text

@@ -253,3 +253,59 @@ def test_an_interrupt_before_the_copies_start_neither_hangs_nor_commits(
         mgr.join()  # the job's failure was this one's consequence: handed back once, above
         assert mgr.all_steps() == []
         assert not [t for t in threading.enumerate() if t.name.startswith("ckptmgr-save")]
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_while_the_job_thread_starts_commits_nothing(
+        local_root: str, overlap: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C lands in Thread.start()'s wait for the job's thread, which then begins only after
+    save_async has raised: the job reads nothing and commits nothing (before: the caller took it
+    for never started, closed the gate and left it running, and it committed the previous
+    save's bytes from the staging buffers, with join() reporting success; found by a review)."""
+    state = {f"t{i}": torch.full((1 << 18,), 1.0) for i in range(4)}
+    release = threading.Event()
+    real = SaveQueue.submit
+
+    def interrupted(self: SaveQueue, job: Any, *, name: str) -> None:
+        def late() -> None:
+            release.wait()  # the job's thread runs once save_async has raised
+            job()
+
+        real(self, late, name=name)  # the thread is started...
+        raise KeyboardInterrupt  # ...and Ctrl-C lands in start()'s wait for it
+
+    with CheckpointManager(local_root, save_interval=1) as mgr:
+        assert mgr.save_async(1, state)
+        mgr.join()
+        for v in state.values():
+            v.fill_(2.0)
+        monkeypatch.setattr(SaveQueue, "submit", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            mgr.save_async(2, state)
+        monkeypatch.setattr(SaveQueue, "submit", real)
+        release.set()
+        mgr.join()  # the interrupted save was said once, by save_async
+        assert mgr.all_steps() == [1]
+        out = _zeros_like(state)
+        mgr.restore(1, out)
+        assert all(float(o.min()) == float(o.max()) == 1.0 for o in out.values())
+        assert mgr.save_async(3, state)
+        mgr.join()
+        mgr.restore(3, out)
+        assert _equal(out, state)
+
+
+def test_a_job_thread_that_cannot_start_leaves_nothing_to_wait_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread the system cannot start: submit raises, and the queue holds no job (before, its
+    next wait joined a thread that never started and raised RuntimeError)."""
+    q = SaveQueue()
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    with pytest.raises(RuntimeError, match="can't start"):
+        q.submit(lambda: None, name="never")
+    monkeypatch.undo()
+    assert not q.in_flight and q.wait() is None
