@@ -61,6 +61,18 @@ def _mgr(durable: str, node: Path, **kw: Any) -> ckptmgr.CheckpointManager:
     return ckptmgr.CheckpointManager(durable, save_interval=10, local_path=str(node), **kw)
 
 
+def _upload_of_10_fails(mgr: ckptmgr.CheckpointManager) -> AsyncSaveError:
+    """Save step 10 (due on both tiers) with retries at once; its upload's failure, raised by
+    ``join`` after every try failed."""
+    assert mgr._uploads is not None
+    mgr._uploads.retry_s = 0.0
+    mgr.save_async(10, _state(10))
+    with pytest.raises(AsyncSaveError) as err:
+        mgr.join()
+    assert err.value.step == 10
+    return err.value
+
+
 def _durable_steps(durable: str) -> list[int]:
     with ckptmgr.CheckpointManager(durable, save_interval=10, read_only=True) as reader:
         return reader.all_steps()
@@ -281,12 +293,7 @@ def test_failed_upload_is_retried_and_keeps_the_local_step(
     node = tmp_path / "node"
     FaultyFS.fail_data = True
     with _mgr(faulty, node) as mgr:
-        assert mgr._uploads is not None
-        mgr._uploads.retry_s = 0.0
-        mgr.save_async(10, _state(10))
-        with pytest.raises(AsyncSaveError) as err:  # after every try failed
-            mgr.join()
-        assert err.value.step == 10
+        _upload_of_10_fails(mgr)
         assert mgr.all_steps() == [10] and mgr.step_info(10).tiers == ("local",)
         mgr.join()  # raised once
         # A fault that clears after one failed try: the retry commits.
@@ -407,14 +414,9 @@ def test_a_read_error_fails_the_upload_and_keeps_the_step_owed(
 
     monkeypatch.setattr(uploader, "_pread", pread)
     with _mgr(durable, node) as mgr:
-        assert mgr._uploads is not None
-        mgr._uploads.retry_s = 0.0
-        mgr.save_async(10, _state(10))
-        with pytest.raises(AsyncSaveError) as err:  # after every try failed
-            mgr.join()
-        assert err.value.step == 10
-        assert isinstance(err.value.__cause__, StorageError)
-        assert "Input/output error" in str(err.value.__cause__)
+        err = _upload_of_10_fails(mgr)
+        assert isinstance(err.__cause__, StorageError)
+        assert "Input/output error" in str(err.__cause__)
         assert mgr.step_info(10).tiers == ("local",)
         failing[0] = False
         mgr.save_async(20, _state(20))
