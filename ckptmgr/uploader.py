@@ -76,6 +76,7 @@ from ckptmgr.errors import (
     UnsafeCheckpointError,
 )
 from ckptmgr.local_tier import LAYOUT_KEY, UPLOAD_KEY, LocalTier, is_read_failure
+from ckptmgr.storage import is_not_found
 
 __all__ = ["UploadJob", "Uploader", "mapped_state"]
 
@@ -134,7 +135,7 @@ def mapped_state(source: RestoreSource, step_dir: str) -> tuple[dict[str, Any], 
     Raises:
         CorruptCheckpointError: a file missing, short, or not listed, or bytes that do not
             match their checksum (damaged bytes are never uploaded).
-        StorageError: a read failed (from the ``OSError``).
+        StorageError: a read failed (from the ``OSError``; a missing file is the error above).
     """
     manifest, md = source.manifest, source.metadata
     info = manifest.metadata.get(LAYOUT_KEY) or {}
@@ -163,10 +164,13 @@ def mapped_state(source: RestoreSource, step_dir: str) -> tuple[dict[str, Any], 
             raise damaged(f"bytes of {index.fqn!r} lie beyond the end of the file", loc.file)
         return loc
 
-    def read_failed(path: str, e: OSError) -> StorageError:
+    def read_failed(path: str, e: OSError) -> StorageError | CorruptCheckpointError:
+        if is_not_found(e):  # removed since it was listed: a finding, as a missing file is
+            return damaged("missing", path)
         return StorageError(
             f"local step {manifest.step} in {step_dir}: reading {path} for its upload failed: "
-            f"{e.strerror or e}")
+            f"{e.strerror or e}; check the disk of the local tier (the upload is tried again "
+            "while the step is owed)")
 
     def verified(loc: ItemLocation, fqn: str) -> None:
         nonlocal scratch
@@ -197,6 +201,8 @@ def mapped_state(source: RestoreSource, step_dir: str) -> tuple[dict[str, Any], 
                 mm = maps[loc.file] = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
             except OSError as e:
                 raise read_failed(loc.file, e) from e
+            except ValueError:  # "cannot mmap an empty file": emptied since it was listed
+                raise damaged("changed size while read", loc.file) from None
             if len(mm) != manifest.file(loc.file).size:  # changed since it was listed
                 raise damaged("changed size while read", loc.file)
         verified(loc, fqn)

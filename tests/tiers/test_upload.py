@@ -395,20 +395,49 @@ def test_a_damaged_local_file_is_never_uploaded(tmp_path: Path,
     assert _durable_steps(durable) == []
 
 
+@pytest.mark.parametrize("change", ["removed", "emptied"])
+def test_a_local_file_removed_or_emptied_after_listing_is_a_finding(
+        change: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data file removed or emptied between the listing and the upload's read is damage
+    (CorruptCheckpointError: not tried again), not a read error, and never a bare ValueError."""
+    from ckptmgr import uploader
+
+    durable, node = str(tmp_path / "durable"), tmp_path / "node"
+    real = uploader.mapped_state
+
+    def change_first(source: Any, step_dir: str) -> Any:
+        data = next(p for p in sorted(Path(step_dir).iterdir()) if p.name.startswith("data-"))
+        if change == "removed":
+            data.unlink()
+        else:
+            data.write_bytes(b"")
+        return real(source, step_dir)
+
+    monkeypatch.setattr(uploader, "mapped_state", change_first)
+    with _mgr(durable, node) as mgr:
+        err = _upload_of_10_fails(mgr)
+        assert isinstance(err.__cause__, CorruptCheckpointError)
+        assert ("missing" if change == "removed" else "changed size") in str(err.__cause__)
+    assert _durable_steps(durable) == []
+
+
 def test_a_read_error_fails_the_upload_and_keeps_the_step_owed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A disk's read error while the upload checks the local files (EIO, injected: no healthy
     file gives one) is an exception, where a read through the map would kill the process with
-    SIGBUS: the upload fails after its tries and the step stays local and owed; once the disk
-    reads again, the next due save's upload commits."""
+    SIGBUS: the upload is tried again (every try reads), fails, and the step stays owed, its
+    files kept by local retention through later saves; once the disk reads again, the next due
+    save's upload commits."""
     from ckptmgr import uploader
 
     durable, node = str(tmp_path / "durable"), tmp_path / "node"
     failing = [True]
+    reads: list[int] = []
     real = uploader._pread
 
     def pread(fd: int, buf: memoryview, offset: int) -> int:
         if failing[0]:
+            reads.append(offset)
             raise OSError(errno.EIO, "Input/output error (injected)")
         return real(fd, buf, offset)
 
@@ -417,12 +446,17 @@ def test_a_read_error_fails_the_upload_and_keeps_the_step_owed(
         err = _upload_of_10_fails(mgr)
         assert isinstance(err.__cause__, StorageError)
         assert "Input/output error" in str(err.__cause__)
+        assert mgr._uploads is not None and len(reads) == mgr._uploads.tries  # each try read
         assert mgr.step_info(10).tiers == ("local",)
+        for step in (15, 25):  # local only: each applies local retention
+            mgr.save_async(step, _state(step))
+            mgr.join()
+        assert (node / "rank-0" / "10" / "commit.json").exists()  # kept: still owed
         failing[0] = False
-        mgr.save_async(20, _state(20))
+        mgr.save_async(30, _state(30))
         mgr.join()
-        assert mgr.step_info(20).tiers == ("durable", "local")
-    assert _durable_steps(durable) == [20]
+        assert mgr.step_info(30).tiers == ("durable", "local")
+    assert _durable_steps(durable) == [30]
 
 
 def test_close_waits_for_the_upload(faulty: str, tmp_path: Path) -> None:
